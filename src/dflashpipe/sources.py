@@ -1,0 +1,226 @@
+"""Prompt sources: read each kind of file into raw conversations, counting what cannot be read.
+
+A reader yields `RawConversation`s (role names still as the file spells them) and reports every
+row it cannot use to a `DropLog` with the file and row, so a bad line never stops the stage and
+never disappears silently.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import re
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dflashpipe.config import FieldMap, SourceConfig
+from dflashpipe.errors import DataError
+
+# Column names per kind when the source's `fields` leaves them unset.
+KIND_FIELDS = {
+    "sharegpt": FieldMap(id="id", messages="conversations", role="from", content="value"),
+    "jsonl": FieldMap(id="id", messages="messages", role="role", content="content"),
+    "parquet": FieldMap(id="id", messages="messages", role="role", content="content"),
+    "hf": FieldMap(id="id", messages="messages", role="role", content="content"),
+    "humaneval": FieldMap(id="task_id", prompt="prompt", response="canonical_solution"),
+}
+EXAMPLES_PER_REASON = 3
+
+
+@dataclass
+class RawConversation:
+    conversation_id: str
+    origin: str  # "file:row", for messages and stats
+    turns: list[tuple[str, str]]  # (role as written, content)
+
+
+@dataclass
+class DropLog:
+    """Dropped rows of one source: a count per reason and its first places, for stats.json."""
+
+    counts: Counter = field(default_factory=Counter)
+    examples: list[str] = field(default_factory=list)
+
+    def drop(self, reason: str, origin: str, detail: str = "") -> None:
+        self.counts[reason] += 1
+        if self.counts[reason] <= EXAMPLES_PER_REASON:
+            self.examples.append(f"{origin}: {reason}" + (f" ({detail})" if detail else ""))
+
+
+def resolve_fields(src: SourceConfig) -> FieldMap:
+    base = KIND_FIELDS[src.kind]
+    given = {k: v for k, v in vars(src.fields).items() if v is not None}
+    if given.get("prompt") and not given.get("messages"):
+        # Instruction-style columns replace the kind's default list-of-turns layout.
+        base = FieldMap(id=base.id)
+    return FieldMap(**{**vars(base), **given})
+
+
+def record_turns(rec: dict, fields: FieldMap, template: str | None = None) -> list[tuple[str, str]]:
+    """Turns of one record, either from a list of turn objects or from instruction columns."""
+    if fields.messages:
+        turns = rec.get(fields.messages)
+        if not isinstance(turns, list):
+            raise KeyError(f"column {fields.messages!r} missing or not a list")
+        out = []
+        for i, t in enumerate(turns):
+            if not isinstance(t, dict) or fields.role not in t or fields.content not in t:
+                raise KeyError(f"turn {i} lacks {fields.role!r}/{fields.content!r}")
+            out.append(
+                (str(t[fields.role]), "" if t[fields.content] is None else str(t[fields.content]))
+            )
+        return out
+    if fields.prompt not in rec:
+        raise KeyError(f"column {fields.prompt!r} missing")
+    prompt = str(rec[fields.prompt])
+    if fields.input and rec.get(fields.input):
+        prompt = f"{prompt}\n\n{rec[fields.input]}"
+    if template:
+        prompt = template.replace("{prompt}", prompt)
+    turns = (
+        [("system", str(rec[fields.system]))] if fields.system and rec.get(fields.system) else []
+    )
+    turns.append(("user", prompt))
+    if fields.response and rec.get(fields.response):
+        turns.append(("assistant", str(rec[fields.response])))
+    return turns
+
+
+def _conversations(records, src: SourceConfig, drops: DropLog) -> Iterator[RawConversation]:
+    """Turn (origin, record) pairs into RawConversations; unusable records become drops."""
+    fields = resolve_fields(src)
+    template = src.template if src.kind == "humaneval" else None
+    for origin, rec in records:
+        if not isinstance(rec, dict):
+            drops.drop("not_an_object", origin, type(rec).__name__)
+            continue
+        try:
+            turns = record_turns(rec, fields, template)
+        except KeyError as e:
+            drops.drop("missing_field", origin, str(e).strip("\"'"))
+            continue
+        conv_id = rec.get(fields.id) if fields.id else None
+        yield RawConversation(str(conv_id) if conv_id is not None else origin, origin, turns)
+
+
+_SKIP = re.compile(r"[\s,]*")
+
+
+def _json_array_records(path: Path, text: str, drops: DropLog) -> Iterator[tuple[str, object]]:
+    """Objects of a JSON array one at a time, so a file cut off mid-object still yields all the
+    whole objects before the cut. A malformed object in the middle is skipped by resynchronizing
+    on the next object that parses."""
+    decoder = json.JSONDecoder()
+    pos, n, end = text.index("[") + 1, 0, len(text)
+    while True:
+        pos = _SKIP.match(text, pos).end()
+        if pos >= end or text[pos] == "]":
+            return
+        try:
+            obj, pos = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError as e:
+            bad_at, pos = pos, _resync(text, pos + 1, decoder)
+            reason = "truncated_tail" if pos >= end else "malformed_json"
+            drops.drop(reason, f"{path}:object {n} (char {bad_at})", e.msg)
+            n += 1
+            continue
+        yield f"{path}:object {n}", obj
+        n += 1
+
+
+def _resync(text: str, pos: int, decoder: json.JSONDecoder) -> int:
+    """Offset of the next top-level-looking object after a decode error (or len(text))."""
+    while (pos := text.find("{", pos)) != -1:
+        try:
+            obj, _ = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError:
+            pos += 1
+            continue
+        # A nested turn object also parses; only a conversation-shaped object resynchronizes.
+        if (
+            isinstance(obj, dict)
+            and len(obj)
+            and not {"from", "value", "role", "content"} & set(obj)
+        ):
+            return pos
+        pos += 1
+    return len(text)
+
+
+def _jsonl_records(path: Path, text: str, drops: DropLog) -> Iterator[tuple[str, object]]:
+    for i, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            yield f"{path}:{i}", json.loads(line)
+        except json.JSONDecodeError as e:
+            drops.drop("malformed_json", f"{path}:{i}", e.msg)
+
+
+def _read_text(path: Path) -> str:
+    if not path.is_file():
+        raise DataError(f"prompt source file not found: {path}")
+    raw = path.read_bytes()
+    if path.suffix == ".gz":
+        raw = gzip.decompress(raw)
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"{path}: not UTF-8 text ({e})") from None
+
+
+def _file_records(src: SourceConfig, drops: DropLog) -> Iterator[tuple[str, object]]:
+    path = Path(src.path)
+    if src.kind == "parquet":
+        yield from _parquet_records(path)
+        return
+    text = _read_text(path)
+    if src.kind == "sharegpt" and text.lstrip().startswith("["):
+        yield from _json_array_records(path, text, drops)
+    else:
+        yield from _jsonl_records(path, text, drops)
+
+
+def _parquet_records(path: Path) -> Iterator[tuple[str, object]]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    if not path.is_file():
+        raise DataError(f"prompt source file not found: {path}")
+    try:
+        pf = pq.ParquetFile(path)
+    except (pa.ArrowInvalid, OSError) as e:
+        raise DataError(f"{path}: not a readable Parquet file ({e})") from None
+    row = 0
+    for batch in pf.iter_batches(batch_size=4096):
+        for rec in batch.to_pylist():
+            yield f"{path}:row {row}", rec
+            row += 1
+
+
+def _hf_records(src: SourceConfig) -> Iterator[tuple[str, object]]:
+    try:
+        import datasets
+    except ImportError:
+        raise DataError(
+            f"prompts source '{src.name}' (kind hf) needs the `datasets` package: "
+            "pip install 'dflashpipe[hf]'"
+        ) from None
+    try:
+        ds = datasets.load_dataset(
+            src.dataset, src.dataset_config, split=src.hf_split, data_files=src.data_files
+        )
+    except Exception as e:  # datasets raises many types (hub, file, builder); name the source
+        raise DataError(
+            f"prompts source '{src.name}': load_dataset({src.dataset!r}) failed: {e}"
+        ) from e
+    for i, rec in enumerate(ds):
+        yield f"{src.dataset}[{src.hf_split}]:row {i}", rec
+
+
+def read_source(src: SourceConfig, drops: DropLog) -> Iterator[RawConversation]:
+    """Every usable conversation of one configured source, in file order."""
+    records = _hf_records(src) if src.kind == "hf" else _file_records(src, drops)
+    yield from _conversations(records, src, drops)

@@ -1,0 +1,139 @@
+import subprocess
+import sys
+
+import pytest
+import yaml
+from conftest import REPO, base_config, write_yaml
+
+from dflashpipe.config import Config, load_config
+from dflashpipe.errors import ConfigError
+
+SHIPPED = [REPO / "config.yaml", *sorted((REPO / "configs").glob("*.yaml"))]
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
+def test_shipped_configs_validate(path):
+    cfg = load_config(path)
+    assert cfg.prompts.sources, path
+    assert cfg.raw["train"]["lr"] > 0  # defaults are filled in
+
+
+def test_qwen3_recipe_values():
+    raw = load_config(REPO / "configs" / "qwen3-8b.yaml").raw
+    assert raw["target"]["model"] == "Qwen/Qwen3-8B"
+    assert raw["devices"] == {"extract": [0, 1, 2, 3, 4], "train": [5, 6, 7]}
+    assert raw["drafter"]["target_layer_ids"] == [1, 9, 17, 25, 33]
+    assert (raw["drafter"]["block_size"], raw["drafter"]["num_layers"]) == (16, 5)
+    assert (raw["train"]["num_anchors"], raw["train"]["max_length"]) == (512, 3072)
+    assert (raw["train"]["lr"], raw["train"]["epochs"]) == (6e-4, 6)
+    assert {s["kind"] for s in raw["prompts"]["sources"]} == {"hf"}
+
+
+def test_defaults_are_filled(tmp_path):
+    cfg = Config.from_dict(base_config(tmp_path))
+    assert cfg.devices.extract == "auto" and cfg.devices.train == "auto"
+    assert cfg.prompts.expand_turns is True
+    assert cfg.prompts.sources[0].split == "both"
+    assert "{prompt}" in cfg.prompts.sources[3].template
+    assert cfg.raw["extract"]["codec"] == "bf16-zstd"
+
+
+def _error(raw) -> str:
+    with pytest.raises(ConfigError) as e:
+        Config.from_dict(raw)
+    return str(e.value)
+
+
+def test_unknown_key_is_named(tmp_path):
+    raw = base_config(tmp_path)
+    raw["prompts"]["seeed"] = 3
+    msg = _error(raw)
+    assert "prompts" in msg and "'seeed'" in msg and "seed" in msg
+
+
+def test_unknown_nested_key_in_source(tmp_path):
+    raw = base_config(tmp_path)
+    raw["prompts"]["sources"][1]["pth"] = "x"
+    assert "prompts.sources[1]" in _error(raw)
+
+
+def test_wrong_type_names_key_and_value(tmp_path):
+    raw = base_config(tmp_path)
+    raw["prompts"]["seed"] = "abc"
+    msg = _error(raw)
+    assert "prompts.seed" in msg and "integer" in msg and "'abc'" in msg
+
+
+def test_device_listed_twice(tmp_path):
+    raw = base_config(tmp_path)
+    raw["devices"] = {"extract": [0, 1, 1], "train": [2]}
+    msg = _error(raw)
+    assert "devices.extract" in msg and "[1]" in msg
+
+
+def test_devices_bad_value(tmp_path):
+    raw = base_config(tmp_path)
+    raw["devices"] = {"train": "all"}
+    assert "devices.train" in _error(raw)
+
+
+def test_missing_required_and_bad_enum(tmp_path):
+    raw = base_config(tmp_path)
+    del raw["prompts"]["sources"][0]["kind"]
+    raw["prompts"]["sources"][1]["kind"] = "csv"
+    msg = _error(raw)
+    assert "prompts.sources[0]: 'kind' is missing" in msg
+    assert "prompts.sources[1].kind" in msg
+
+
+def test_semantic_checks(tmp_path):
+    raw = base_config(tmp_path)
+    raw["prompts"]["sources"][1]["name"] = "share"
+    assert "['share'] used more than once" in _error(raw)
+    raw = base_config(tmp_path)
+    del raw["prompts"]["sources"][2]["path"]
+    assert "'pq': kind parquet needs `path`" in _error(raw)
+    raw = base_config(tmp_path)
+    raw["prompts"]["sources"][3]["template"] = "no placeholder"
+    assert "template must contain {prompt}" in _error(raw)
+
+
+def test_retrieve_entry_checked(tmp_path):
+    raw = base_config(tmp_path)
+    raw["retrieve"] = {
+        "x": {"package": "pkg>=1", "member": "a", "sha256": "0" * 64, "dest": "resources/a"}
+    }
+    assert "retrieve.x.package" in _error(raw)
+
+
+def test_cli_reports_error_without_traceback(tmp_path):
+    raw = base_config(tmp_path)
+    raw["prompts"]["bogus"] = 1
+    path = write_yaml(tmp_path / "bad.yaml", raw)
+    done = subprocess.run(
+        [sys.executable, "-m", "dflashpipe", "check-config", "--config", str(path)],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert "bogus" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_cli_prints_resolved_config(tmp_path):
+    path = write_yaml(tmp_path / "ok.yaml", base_config(tmp_path))
+    done = subprocess.run(
+        [sys.executable, "-m", "dflashpipe", "check-config", "--config", str(path)],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    assert yaml.safe_load(done.stdout)["regenerate"]["enabled"] is True
+
+
+def test_missing_config_file(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "nope.yaml")
+
+
+def test_digest_tracks_section(tmp_path):
+    a = Config.from_dict(base_config(tmp_path))
+    b = Config.from_dict(base_config(tmp_path, seed=1))
+    assert a.digest("prompts") != b.digest("prompts")
+    assert a.digest("train") == b.digest("train")

@@ -1,0 +1,208 @@
+import subprocess
+import sys
+
+import pyarrow.parquet as pq
+import pytest
+from conftest import base_config, write_yaml
+
+from dflashpipe.config import Config, PromptsConfig, SourceConfig
+from dflashpipe.prompts import (
+    BadConversation,
+    build,
+    normalize_turns,
+    prompt_key,
+    read_prompts,
+    run,
+    train_quotas,
+)
+
+
+def _build(data_dir, **overrides):
+    return build(Config.from_dict(base_config(data_dir, **overrides)).prompts)
+
+
+def test_counts_per_source_and_reason(data_dir):
+    train, evals, stats = _build(data_dir)
+    s = stats["sources"]
+    assert s["share"]["conversations"] == 5 and s["share"]["prompts"] == 5
+    assert s["share"]["dropped"] == {
+        "duplicate": 1, "empty_conversation": 1, "malformed_json": 1, "truncated_tail": 1,
+        "unknown_role": 1,
+    }  # fmt: skip
+    assert s["msgs"]["dropped"] == {"empty_message": 1, "malformed_json": 1, "missing_field": 1}
+    assert (s["share"]["train"], s["msgs"]["train"], s["pq"]["train"], s["he"]["train"]) == (
+        4,
+        4,
+        2,
+        0,
+    )
+    assert s["he"]["eval"] == 3 and len(evals) == 3 and len(train) == 10
+    assert stats["totals"] == {
+        "train": 10, "eval": 3,
+        "dropped": {"duplicate": 1, "empty_conversation": 1, "empty_message": 1,
+                    "malformed_json": 2, "missing_field": 1, "truncated_tail": 1, "unknown_role": 1},
+    }  # fmt: skip
+
+
+def test_turn_expansion_and_history(data_dir):
+    train, _, _ = _build(data_dir)
+    m2 = sorted((p for p in train if p.conversation_id == "m2"), key=lambda p: p.turn)
+    assert [p.turn for p in m2] == [0, 1]
+    assert [m["role"] for m in m2[1].messages] == ["system", "user", "assistant", "user"]
+    assert m2[1].messages[-1]["content"] == "Say goodbye." and m2[1].reference == "Goodbye!"
+    assert m2[0].messages[0] == {"role": "system", "content": "Be kind."}
+    # the duplicate dropped was conv-c's first turn (conv-a came first); its unanswered turn stays
+    conv_c = [p for p in train if p.conversation_id == "conv-c"]
+    assert len(conv_c) == 1 and conv_c[0].turn == 1 and conv_c[0].reference is None
+
+
+def test_one_prompt_per_conversation_when_not_expanding(data_dir):
+    train, _, stats = _build(data_dir, expand_turns=False)
+    m2 = [p for p in train if p.conversation_id == "m2"]
+    assert len(m2) == 1 and m2[0].turn == 1
+    assert stats["sources"]["share"]["train"] == 3  # conv-a (last), conv-b, conv-c (last)
+
+
+def test_unanswered_turns_dropped_on_request(data_dir):
+    train, _, stats = _build(data_dir, keep_unanswered=False)
+    assert all(p.reference is not None for p in train)
+    assert stats["sources"]["share"]["dropped"]["unanswered"] == 1
+
+
+def test_roles_are_normalized(data_dir):
+    train, _, _ = _build(data_dir)
+    roles = {m["role"] for p in train for m in p.messages}
+    assert roles == {"user", "assistant", "system"}
+    pq_prompt = next(p for p in train if p.source == "pq" and "two" in p.messages[0]["content"])
+    assert pq_prompt.messages[0]["role"] == "user"
+
+
+def test_normalize_repairs_and_rejects():
+    turns = [("gpt", "hello first"), ("human", "a"), ("user", "b"), ("gpt", "c")]
+    assert normalize_turns(turns, {}) == [
+        {"role": "user", "content": "a\n\nb"}, {"role": "assistant", "content": "c"},
+    ]  # fmt: skip
+    with pytest.raises(BadConversation, match="unknown_role"):
+        normalize_turns([("narrator", "x")], {})
+    assert normalize_turns([("narrator", "x")], {"narrator": "user"})[0]["role"] == "user"
+    with pytest.raises(BadConversation, match="system_not_first"):
+        normalize_turns([("human", "x"), ("system", "y")], {})
+    with pytest.raises(BadConversation, match="empty_conversation"):
+        normalize_turns([("gpt", "only an answer")], {})
+
+
+def test_prompt_id_is_a_content_hash():
+    a = [{"role": "user", "content": "What  is\nthis?"}]
+    b = [{"role": "user", "content": "What is this?"}]
+    c = [{"role": "system", "content": "What is this?"}]
+    assert prompt_key(a) == prompt_key(b) != prompt_key(c)
+    assert len(prompt_key(a)) == 20
+
+
+def test_eval_split_holds_out_whole_conversations(data_dir):
+    raw = base_config(data_dir)
+    raw["prompts"]["sources"][1]["eval_count"] = 1
+    train, evals, _ = build(Config.from_dict(raw).prompts)
+    assert {p.prompt_id for p in train}.isdisjoint(p.prompt_id for p in evals)
+    train_convs = {(p.source, p.conversation_id) for p in train}
+    eval_convs = {(p.source, p.conversation_id) for p in evals}
+    assert train_convs.isdisjoint(eval_convs)
+    assert sum(p.source == "msgs" for p in evals) in (1, 2)  # all turns of one conversation
+
+
+def test_eval_only_source_wins_dedupe(tmp_path, data_dir):
+    dup = tmp_path / "dup.jsonl"
+    dup.write_text('{"messages": [{"role": "user", "content": "Count to   three."}]}\n')
+    raw = base_config(data_dir)
+    raw["prompts"]["sources"].append(
+        {"name": "heldout", "kind": "jsonl", "path": str(dup), "split": "eval"}
+    )
+    train, evals, stats = build(Config.from_dict(raw).prompts)
+    assert any(p.source == "heldout" for p in evals)
+    assert not any(p.conversation_id == "m5" for p in train)
+    assert stats["sources"]["msgs"]["dropped"]["duplicate"] == 1
+
+
+def test_length_filters(data_dir):
+    _, _, stats = _build(data_dir, min_chars=20, max_chars=40, max_turns=1, max_reference_chars=10)
+    dropped = stats["totals"]["dropped"]
+    assert dropped["too_short"] > 0 and dropped["too_long"] > 0
+    assert dropped["too_many_turns"] >= 1 and dropped["reference_too_long"] >= 1
+    train, _, _ = _build(data_dir, min_chars=20, max_chars=40, max_turns=1, max_reference_chars=10)
+    for p in train:
+        chars = sum(len(m["content"]) for m in p.messages)
+        assert 20 <= chars <= 40 and len(p.reference or "") <= 10
+
+
+def test_limits_and_weights():
+    sources = [
+        SourceConfig(name="a", kind="jsonl", path="x", weight=3.0),
+        SourceConfig(name="b", kind="jsonl", path="x", weight=1.0, limit=5),
+        SourceConfig(name="c", kind="jsonl", path="x", weight=4.0),
+    ]
+    cfg = PromptsConfig(sources=sources, max_train=8)
+    assert train_quotas(cfg, {"a": 100, "b": 100, "c": 2}) == {"a": 3, "b": 1, "c": 2}
+    assert train_quotas(PromptsConfig(sources=sources), {"a": 9, "b": 9, "c": 9}) == {
+        "a": 9,
+        "b": 5,
+        "c": 9,
+    }
+
+
+def test_max_train_is_applied(data_dir):
+    train, _, stats = _build(data_dir, max_train=3)
+    assert len(train) == 3
+    assert stats["totals"]["dropped"]["over_limit"] == 7
+
+
+def test_seeded_and_deterministic(data_dir):
+    ids = [[p.prompt_id for p in _build(data_dir, seed=s)[0]] for s in (0, 0, 1)]
+    assert ids[0] == ids[1]
+    assert sorted(ids[0]) == sorted(ids[2])
+    orders = {tuple(p.prompt_id for p in _build(data_dir, seed=s)[0]) for s in range(5)}
+    assert len(orders) > 1
+
+
+def test_cli_writes_three_outputs(data_dir, tmp_path):
+    cfg = write_yaml(tmp_path / "c.yaml", base_config(data_dir))
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "dflashpipe", "prompts", "--config", str(cfg),
+           "--train", str(out / "train.parquet"), "--eval", str(out / "eval.parquet"),
+           "--stats", str(out / "stats.json")]  # fmt: skip
+    subprocess.run(cmd, check=True, capture_output=True)
+    table = pq.read_table(out / "train.parquet")
+    assert table.schema.names == [
+        "prompt_id", "source", "conversation_id", "turn", "messages", "reference", "origin",
+    ]  # fmt: skip
+    rows = read_prompts(out / "train.parquet")
+    assert len(rows) == 10 and rows[0]["messages"][-1]["role"] == "user"
+    assert len(read_prompts(out / "eval.parquet")) == 3
+    assert sorted(p.name for p in out.iterdir()) == ["eval.parquet", "stats.json", "train.parquet"]
+
+
+def test_missing_source_file_fails_cleanly(data_dir, tmp_path):
+    raw = base_config(data_dir)
+    raw["prompts"]["sources"][0]["path"] = str(tmp_path / "gone.json")
+    cfg = write_yaml(tmp_path / "c.yaml", raw)
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "dflashpipe", "prompts", "--config", str(cfg),
+           "--train", str(out / "t.parquet"), "--eval", str(out / "e.parquet"),
+           "--stats", str(out / "s.json")]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    assert done.returncode == 2
+    assert "gone.json" in done.stderr and "Traceback" not in done.stderr
+    assert not out.exists() or not any(out.iterdir())
+
+
+def test_run_output_is_reproducible(data_dir, tmp_path):
+    cfg = Config.from_dict(base_config(data_dir)).prompts
+    for d in ("a", "b"):
+        run(cfg, tmp_path / d / "t.parquet", tmp_path / d / "e.parquet", tmp_path / d / "s.json")
+    assert read_prompts(tmp_path / "a" / "t.parquet") == read_prompts(tmp_path / "b" / "t.parquet")
+    assert (tmp_path / "a" / "s.json").read_text() == (tmp_path / "b" / "s.json").read_text()
+
+
+def test_empty_message_counts(data_dir):
+    # a conversation whose only user turn is blank is dropped whole, with its row named
+    _, _, stats = _build(data_dir)
+    assert any(":4: empty_message" in e for e in stats["sources"]["msgs"]["drop_examples"])

@@ -1,0 +1,125 @@
+import gzip
+import json
+
+import pytest
+from conftest import base_config
+
+from dflashpipe.config import Config, SourceConfig
+from dflashpipe.errors import DataError
+from dflashpipe.sources import DropLog, read_source
+
+
+def _read(src: SourceConfig):
+    drops = DropLog()
+    return list(read_source(src, drops)), drops
+
+
+def _source(data_dir, name):
+    cfg = Config.from_dict(base_config(data_dir))
+    return next(s for s in cfg.prompts.sources if s.name == name)
+
+
+def test_truncated_sharegpt_array_keeps_every_whole_object(data_dir):
+    convs, drops = _read(_source(data_dir, "share"))
+    assert [c.conversation_id for c in convs] == ["conv-a", "conv-b", "conv-c", "conv-d", "conv-e"]
+    assert drops.counts == {"malformed_json": 1, "truncated_tail": 1}
+    assert convs[0].turns[:2] == [("human", "What is the capital of France?"), ("gpt", "Paris.")]
+    assert any("object 2" in e and "malformed_json" in e for e in drops.examples)
+    assert any("object 6" in e and "truncated_tail" in e for e in drops.examples)
+
+
+def test_real_sized_truncation_at_every_cut(tmp_path):
+    """Cutting a valid array anywhere keeps exactly the objects that end before the cut."""
+    objs = [
+        {"id": str(i), "conversations": [{"from": "human", "value": f"q{i} {{x}}"}]}
+        for i in range(6)
+    ]
+    text = "[\n" + ",\n".join(json.dumps(o) for o in objs) + "\n]"
+    ends = [text.index(json.dumps(o)) + len(json.dumps(o)) for o in objs]
+    for cut in range(len(text) // 2, len(text), 7):
+        path = tmp_path / "cut.json"
+        path.write_text(text[:cut], encoding="utf-8")
+        convs, drops = _read(SourceConfig(name="s", kind="sharegpt", path=str(path)))
+        whole = sum(e <= cut for e in ends)
+        assert len(convs) == whole, cut
+        rest = text[ends[whole - 1] if whole else 1 : cut].strip(" ,\n]")
+        assert sum(drops.counts.values()) == (1 if rest else 0), cut
+
+
+def test_sharegpt_jsonl_variant(tmp_path):
+    path = tmp_path / "sg.jsonl"
+    path.write_text(
+        json.dumps({"id": "x", "conversations": [{"from": "human", "value": "hi"}]}) + "\n{bad\n",
+        encoding="utf-8",
+    )
+    convs, drops = _read(SourceConfig(name="s", kind="sharegpt", path=str(path)))
+    assert [c.conversation_id for c in convs] == ["x"]
+    assert drops.counts == {"malformed_json": 1}
+    assert drops.examples[0].startswith(f"{path}:2: malformed_json")
+
+
+def test_jsonl_messages_and_bad_lines(data_dir):
+    convs, drops = _read(_source(data_dir, "msgs"))
+    assert [c.conversation_id for c in convs] == ["m1", "m2", "m3", "m5"]
+    assert drops.counts == {"malformed_json": 1, "missing_field": 1}
+    assert any(":3: malformed_json" in e for e in drops.examples)
+    assert any(":5: missing_field" in e and "'messages'" in e for e in drops.examples)
+
+
+def test_parquet_messages(data_dir):
+    convs, drops = _read(_source(data_dir, "pq"))
+    assert [c.turns[0][1] for c in convs] == ["Parquet question one?", "Parquet question two?"]
+    assert convs[1].turns[1][0] == "gpt" and not drops.counts
+
+
+def test_humaneval_template_and_reference(data_dir):
+    convs, _ = _read(_source(data_dir, "he"))
+    assert len(convs) == 3 and convs[0].conversation_id == "HumanEval/0"
+    (role, text), (arole, answer) = convs[0].turns
+    assert role == "user" and "def f0(x):" in text and text.startswith("Complete the following")
+    assert arole == "assistant" and "return x + 0" in answer
+
+
+def test_instruction_fields(data_dir):
+    src = SourceConfig(
+        name="alp", kind="jsonl", path=str(data_dir / "alpaca.jsonl"),
+        fields={"prompt": "instruction", "input": "input", "response": "output"},
+    )  # fmt: skip
+    convs, drops = _read(src)
+    assert len(convs) == 4 and not drops.counts
+    assert convs[1].turns == [
+        ("user", "Write code number 1.\n\nin Python"),
+        ("assistant", "print(1)"),
+    ]
+    assert convs[0].turns[0] == ("user", "Write code number 0.")
+
+
+def test_hf_source_through_datasets(data_dir):
+    pytest.importorskip("datasets")
+    src = SourceConfig(
+        name="hfjson", kind="hf", dataset="json", data_files=str(data_dir / "alpaca.jsonl"),
+        fields={"prompt": "instruction", "response": "output"},
+    )  # fmt: skip
+    convs, drops = _read(src)
+    assert [c.turns[-1][1] for c in convs] == [f"print({i})" for i in range(4)]
+    assert convs[0].origin == "json[train]:row 0"
+
+
+def test_missing_file_is_named(tmp_path):
+    src = SourceConfig(name="s", kind="jsonl", path=str(tmp_path / "missing.jsonl"))
+    with pytest.raises(DataError, match="missing.jsonl"):
+        _read(src)
+
+
+def test_not_parquet_is_named(tmp_path):
+    path = tmp_path / "x.parquet"
+    path.write_text("not parquet")
+    with pytest.raises(DataError, match="x.parquet"):
+        _read(SourceConfig(name="s", kind="parquet", path=str(path)))
+
+
+def test_not_utf8_is_named(tmp_path):
+    path = tmp_path / "x.jsonl.gz"
+    path.write_bytes(gzip.compress(b"\xff\xfe\x00bad"))
+    with pytest.raises(DataError, match="not UTF-8"):
+        _read(SourceConfig(name="s", kind="jsonl", path=str(path)))

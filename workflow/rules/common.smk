@@ -1,0 +1,62 @@
+# Shared helpers: config validation, the resolved config file the CLI reads, input functions.
+import re
+import sys
+from pathlib import Path
+
+import yaml
+from snakemake.utils import validate
+
+# Parse-time helpers come from this checkout's src/, like the jobs' code (see DFLASHPIPE below).
+sys.path.insert(0, str(Path(workflow.basedir) / "src"))
+try:
+    from dflashpipe.config import Config
+    from dflashpipe.errors import ConfigError
+    from dflashpipe.storage import atomic_path
+except ImportError as e:
+    raise WorkflowError(
+        f"the dflashpipe package is not importable ({e}); install its dependencies with `pip install -e .` in {workflow.basedir}"
+    )
+
+# Friendly messages first (unknown key, wrong type, device listed twice), then the standard
+# Snakemake validation against the same schema, which also fills in the defaults.
+try:
+    CFG = Config.from_dict(config, origin="config")
+except ConfigError as e:
+    raise WorkflowError(str(e))
+validate(config, "../schemas/config.schema.yaml")
+
+RESULTS = "results"
+LOGS = f"{RESULTS}/logs"
+BENCH = f"{RESULTS}/benchmarks"
+RESOLVED_CONFIG = f"{RESULTS}/config.resolved.yaml"
+# Every rule runs this checkout's code, also inside a --sdm conda environment.
+DFLASHPIPE = f"PYTHONPATH={Path(workflow.basedir) / 'src'}${{PYTHONPATH:+:$PYTHONPATH}} python -m dflashpipe"
+
+
+def write_resolved_config(path=RESOLVED_CONFIG):
+    """The CLI reads the merged config (configfile + --config overrides) from this file. It is
+    rewritten only when its content changes, so its mtime never triggers reruns by itself.
+    """
+    text = yaml.safe_dump(CFG.raw, sort_keys=False)
+    p = Path(path)
+    if p.is_file() and p.read_text(encoding="utf-8") == text:
+        return
+    with atomic_path(p) as tmp:
+        tmp.write_text(text, encoding="utf-8")
+
+
+write_resolved_config()
+
+
+def retrieve_dests():
+    return [spec.dest for spec in CFG.retrieve.values()]
+
+
+def stage_digest(*sections):
+    """Rules carry this as a param: editing a stage's config section reruns that stage."""
+    return CFG.digest(*sections)
+
+
+def prompt_source_files(wildcards):
+    """Named inputs of the prompts rule: every file-based source (retrievable or the user's)."""
+    return {s.name: s.path for s in CFG.prompts.sources if s.path}
