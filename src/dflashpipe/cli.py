@@ -52,6 +52,14 @@ def cmd_prompts(args: argparse.Namespace) -> None:
     run(cfg.prompts, args.train, args.eval, args.stats)
 
 
+def cmd_regenerate(args: argparse.Namespace) -> int:
+    from dflashpipe.regenerate import run
+
+    cfg = load_config(args.config)
+    finished = run(cfg, args.prompts, args.shard, args.out, args.max_batches)
+    return 0 if finished else 3
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dflashpipe", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -74,6 +82,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--train", required=True, help="output train.parquet")
     p.add_argument("--eval", required=True, help="output eval.parquet")
     p.add_argument("--stats", required=True, help="output stats.json")
+
+    p = add("regenerate", cmd_regenerate, "stage 2: the target answers one shard of train prompts")
+    p.add_argument("--prompts", required=True, help="input train.parquet")
+    p.add_argument("--shard", required=True, type=int, help="shard index (0-based)")
+    p.add_argument("--out", required=True, help="output shard-XXXXX.parquet")
+    p.add_argument(
+        "--max-batches",
+        type=int,
+        help="stop after this many batches (exit 3); a rerun continues where it stopped",
+    )
     return parser
 
 
@@ -84,8 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     try:
-        args.fn(args)
+        return args.fn(args) or 0
     except DflashpipeError as e:
         print(f"dflashpipe {args.command}: error: {e}", file=sys.stderr)
         return 2
-    return 0

@@ -185,6 +185,20 @@ class TargetConfig:
 
 
 @dataclass
+class RegenerateConfig:
+    enabled: bool = True
+    shards: int = 2
+    batch_size: int = 32
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = 0
+    enable_thinking: bool | None = None
+    save_every: int = 512
+
+
+@dataclass
 class DevicesConfig:
     extract: str | list[int] = "auto"
     train: str | list[int] = "auto"
@@ -198,6 +212,7 @@ class Config:
     prompts: PromptsConfig
     devices: DevicesConfig
     retrieve: dict[str, RetrieveSpec]
+    regenerate: RegenerateConfig
     raw: dict
 
     @classmethod
@@ -208,6 +223,7 @@ class Config:
             prompts=PromptsConfig(**raw["prompts"]),
             devices=DevicesConfig(**raw["devices"]),
             retrieve={k: RetrieveSpec(**v) for k, v in raw["retrieve"].items()},
+            regenerate=RegenerateConfig(**raw["regenerate"]),
             raw=raw,
         )
 

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
+from collections.abc import Iterator
+
+import torch
 
 from dflashpipe.errors import ConfigError
+from dflashpipe.leases import lease_device
 
 
 def visible_gpus() -> list[int]:
@@ -38,3 +43,26 @@ def resolve_devices(spec: str | list[int], available: list[int], key: str) -> li
             f"{key} lists GPU(s) {missing}, but the visible GPUs are {available or 'none'}"
         )
     return list(spec)
+
+
+def scheduler_assigned() -> bool:
+    """On SLURM (or any scheduler that sets CUDA_VISIBLE_DEVICES per job) its choice wins."""
+    return "SLURM_JOB_ID" in os.environ and "CUDA_VISIBLE_DEVICES" in os.environ
+
+
+@contextlib.contextmanager
+def stage_device(spec: str | list[int], shard: int, key: str) -> Iterator[torch.device]:
+    """The device one shard job runs on, held exclusively for the job's lifetime (CPU if none).
+
+    Shards map round-robin onto the stage's devices; a job whose device is busy takes another
+    free one of the same list rather than waiting (see leases.py for why leases, not resources).
+    """
+    if scheduler_assigned():
+        yield torch.device("cuda", 0)
+        return
+    devices = resolve_devices(spec, visible_gpus(), key)
+    if not devices:
+        yield torch.device("cpu")
+        return
+    with lease_device(devices, devices[shard % len(devices)]) as index:
+        yield torch.device("cuda", index)

@@ -60,3 +60,16 @@ def stage_digest(*sections):
 def prompt_source_files(wildcards):
     """Named inputs of the prompts rule: every file-based source (retrievable or the user's)."""
     return {s.name: s.path for s in CFG.prompts.sources if s.path}
+
+
+def target_files(wildcards):
+    """Local target files as inputs (so `retrieve` fetches the default); none for a hub id."""
+    model = Path(CFG.target.model)
+    if CFG.target.gguf_file:
+        return [str(model / CFG.target.gguf_file)]
+    return [str(model)] if model.exists() else []
+
+
+def sequence_shards():
+    n = CFG.regenerate.shards
+    return [f"{RESULTS}/sequences/shard-{i:05d}.parquet" for i in range(n)]

@@ -1,0 +1,112 @@
+"""Generation throughput of the regenerate stage's batching vs plain `generate()` at batch 1.
+
+Target: a SmolLM2-135M-shaped Llama (the config in benchmarks/smollm2-135m.json, read from the
+GGUF's metadata) with random bf16 weights: speed does not depend on weight values. Random weights
+never emit EOS, so every row generates exactly `--new-tokens` tokens.
+
+    python benchmarks/regenerate.py --batch-sizes 1 32 128 256 --new-tokens 256 --out $OUT/regen.json
+
+Prints one table: generated tokens/s per batch size and per method, and the ratio to plain
+`generate()` at batch 1 measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+from dflashpipe.regenerate import generate_batch
+
+HERE = Path(__file__).resolve().parent
+
+
+def build_model(device: torch.device) -> LlamaForCausalLM:
+    config = LlamaConfig(**json.loads((HERE / "smollm2-135m.json").read_text()))
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
+    return model.eval().requires_grad_(False)
+
+
+def prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(40, 200, (n,), generator=g).tolist()
+    return [torch.randint(100, vocab, (k,), generator=g).tolist() for k in lengths]
+
+
+def timed(fn) -> float:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def bench_plain(model, ps, new_tokens: int) -> float:
+    """Reference: plain generate(), one prompt at a time."""
+    cfg = GenerationConfig(
+        max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0
+    )
+
+    def go():
+        for p in ps:
+            model.generate(input_ids=torch.tensor([p], device=model.device), generation_config=cfg)
+
+    return len(ps) * new_tokens / timed(go)
+
+
+def bench_stage(model, ps, batch: int, new_tokens: int, cache: str) -> float:
+    """The stage's path: left-padded, length-sorted batches through generate_batch."""
+    cfg = GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                           pad_token_id=0, eos_token_id=[1], cache_implementation=cache)  # fmt: skip
+    ps = sorted(ps, key=len, reverse=True)
+
+    def go():
+        for i in range(0, len(ps), batch):
+            generate_batch(model, ps[i : i + batch], cfg, {1})
+
+    generate_batch(model, ps[:batch], cfg, {1})  # warm-up (allocator, kernels, compile)
+    return len(ps) * new_tokens / timed(go)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32, 128, 256])
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--prompts", type=int, default=512)
+    ap.add_argument("--caches", nargs="+", default=["dynamic", "static"])
+    ap.add_argument("--out", default="regen.json")
+    args = ap.parse_args()
+    device = torch.device("cuda")
+    model = build_model(device)
+    ps = prompts(args.prompts, model.config.vocab_size)
+    base = bench_plain(model, ps[:8], args.new_tokens)
+    rows = [{"method": "generate() batch 1", "batch": 1, "tok_s": base, "ratio": 1.0}]
+    for cache in args.caches:
+        for b in args.batch_sizes:
+            n = max(b, min(len(ps), 2 * b))
+            tok_s = bench_stage(model, ps[:n], b, args.new_tokens, cache)
+            rows.append(
+                {
+                    "method": f"stage ({cache} cache)",
+                    "batch": b,
+                    "tok_s": tok_s,
+                    "ratio": tok_s / base,
+                }
+            )
+            print(json.dumps(rows[-1]), flush=True)
+    Path(args.out).write_text(
+        json.dumps({"device": torch.cuda.get_device_name(), "rows": rows}, indent=2)
+    )
+    print(f"\n{'method':<26}{'batch':>6}{'tok/s':>12}{'x base':>9}")
+    for r in rows:
+        print(f"{r['method']:<26}{r['batch']:>6}{r['tok_s']:>12.0f}{r['ratio']:>9.1f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,256 @@
+"""Stage 2, regenerate: the target answers the training prompts of one shard.
+
+    prompts/train.parquet ──(rows i::n)──► length-sorted batches ──► generate (left padding)
+        ──► part files every `save_every` prompts ──► sequences/shard-{i:05d}.parquet
+
+Each row holds exactly the tokens the target saw and produced (`input_ids`), a `loss_mask` that
+is 1 only on generated tokens, and a `finish_reason`. Batches are fixed up front from the whole
+shard, so a resumed run decodes the same batches as an uninterrupted one; finished batches live
+in part files beside the output and are never redone. With `regenerate.enabled: false` the rows
+hold the datasets' own answers, tokenized with an assistant-only mask.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import time
+from collections import Counter
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+from tqdm import tqdm
+
+from dflashpipe.chat import encode_chat, encode_prompt, end_of_turn_ids
+from dflashpipe.config import Config, RegenerateConfig
+from dflashpipe.errors import DataError
+from dflashpipe.storage import atomic_path
+
+log = logging.getLogger(__name__)
+
+SEQUENCE_SCHEMA = pa.schema(
+    [
+        ("sample_id", pa.string()),
+        ("prompt_id", pa.string()),
+        ("input_ids", pa.list_(pa.int32())),
+        ("loss_mask", pa.list_(pa.uint8())),
+        ("num_prompt_tokens", pa.int32()),
+        ("finish_reason", pa.string()),
+    ]
+)
+
+
+def shard_rows(prompts_path: Path, shard: int, num_shards: int) -> list[dict]:
+    """Rows shard::num_shards of the (already shuffled) prompt table."""
+    if not 0 <= shard < num_shards:
+        raise DataError(f"shard index {shard} is out of range for regenerate.shards={num_shards}")
+    if not prompts_path.is_file():
+        raise DataError(f"prompt table not found: {prompts_path}")
+    rows = pq.read_table(prompts_path).to_pylist()
+    if not rows:
+        raise DataError(f"{prompts_path} holds no prompts; nothing to regenerate")
+    return rows[shard::num_shards]
+
+
+def plan_batches(lengths: list[int], batch_size: int) -> list[list[int]]:
+    """Indices grouped into batches of similar length (longest first: memory peaks early)."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    return [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
+
+
+def generation_config(gen: RegenerateConfig, eot: set[int], pad_id: int):
+    from transformers import GenerationConfig
+
+    # A fresh config: the model's own sampling defaults must not leak into "greedy".
+    sampled = gen.temperature > 0
+    extra = (
+        {"temperature": gen.temperature, "top_p": gen.top_p, "top_k": gen.top_k} if sampled else {}
+    )
+    return GenerationConfig(
+        max_new_tokens=gen.max_new_tokens,
+        do_sample=sampled,
+        eos_token_id=sorted(eot),
+        pad_token_id=pad_id,
+        **extra,
+    )
+
+
+@torch.inference_mode()
+def generate_batch(model, prompts: list[list[int]], gen_cfg, eot: set[int]) -> list[tuple]:
+    """(new token ids incl. the end-of-turn token, finish reason) per prompt; left padding."""
+    device = model.device
+    width = max(map(len, prompts))
+    ids = torch.full((len(prompts), width), gen_cfg.pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, p in enumerate(prompts):
+        ids[row, width - len(p) :] = torch.tensor(p)
+        mask[row, width - len(p) :] = 1
+    out = model.generate(
+        input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=gen_cfg
+    )
+    results = []
+    for row in out[:, width:].tolist():
+        stop = next((k for k, t in enumerate(row) if t in eot), None)
+        results.append((row[: stop + 1], "stop") if stop is not None else (row, "length"))
+    return results
+
+
+class PartStore:
+    """Finished batches of an unfinished shard, as part files beside the final output."""
+
+    def __init__(self, out: Path):
+        self.dir = out.parent / f".{out.name}.parts"
+
+    def done(self) -> dict[int, Path]:
+        if not self.dir.is_dir():
+            return {}
+        return {int(p.stem.split("-")[1]): p for p in self.dir.glob("part-*.parquet")}
+
+    def save(self, first_batch: int, rows: list[dict], stats: Counter) -> None:
+        table = pa.Table.from_pylist(rows, schema=SEQUENCE_SCHEMA)
+        table = table.replace_schema_metadata({"stats": json.dumps(stats)})
+        with atomic_path(self.dir / f"part-{first_batch:06d}.parquet") as tmp:
+            pq.write_table(table, tmp)
+
+    def load(self) -> tuple[list[dict], Counter]:
+        rows, stats = [], Counter()
+        for _, path in sorted(self.done().items()):
+            table = pq.read_table(path)
+            stats.update(json.loads(table.schema.metadata[b"stats"]))
+            rows += table.to_pylist()
+        return rows, stats
+
+    def clear(self) -> None:
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def dataset_rows(rows: list[dict], tok, enable_thinking, stats: Counter) -> list[dict]:
+    """regenerate disabled: the datasets' own answers with an assistant-only loss mask (every
+    assistant turn of the history is supervised too: they are real answers)."""
+    out = []
+    for r in rows:
+        if r["reference"] is None:
+            stats["no_reference"] += 1
+            continue
+        messages = [*r["messages"], {"role": "assistant", "content": r["reference"]}]
+        try:
+            ids, mask = encode_chat(tok, messages, enable_thinking)
+            n_prompt = len(encode_prompt(tok, r["messages"], enable_thinking))
+        except DataError as e:
+            stats["template_error"] += 1
+            log.warning("prompt %s skipped: %s", r["prompt_id"], e)
+            continue
+        out.append(_row(r, ids, mask, n_prompt, "dataset"))
+    return out
+
+
+def _row(prompt_row: dict, ids: list[int], mask: list[int], n_prompt: int, finish: str) -> dict:
+    return {
+        "sample_id": f"{prompt_row['prompt_id']}-0",
+        "prompt_id": prompt_row["prompt_id"],
+        "input_ids": ids,
+        "loss_mask": mask,
+        "num_prompt_tokens": n_prompt,
+        "finish_reason": finish,
+    }
+
+
+def regenerate_rows(rows, model, tok, gen: RegenerateConfig, budget: int, parts: PartStore,
+                    max_batches: int | None = None) -> tuple[list[dict], Counter, bool]:  # fmt: skip
+    """Generate answers for `rows`, saving parts as it goes; (rows, stats, finished)."""
+    eot = end_of_turn_ids(tok)
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else min(eot)
+    gen_cfg = generation_config(gen, eot, pad_id)
+    prompts = [encode_prompt(tok, r["messages"], gen.enable_thinking) for r in rows]
+    stats: Counter = Counter()
+    keep = [i for i, p in enumerate(prompts) if len(p) < budget]
+    stats["prompt_too_long"] = len(rows) - len(keep)
+    batches = [
+        [keep[i] for i in b] for b in plan_batches([len(prompts[i]) for i in keep], gen.batch_size)
+    ]
+    per_part = max(1, gen.save_every // gen.batch_size)
+    done, todo = parts.done(), [k for k in range(0, len(batches), per_part)]
+    pending, ran, new_tokens = [], 0, 0
+    bar = tqdm(total=len(keep), desc="regenerate", unit=" prompt", mininterval=2)
+    bar.update(sum(len(b) for k in done for b in batches[k : k + per_part]))
+    start = time.perf_counter()
+    for first in todo:
+        if first in done:
+            continue
+        if max_batches is not None and ran >= max_batches:
+            bar.close()
+            return [], stats, False
+        part_rows, part_stats = [], Counter()
+        for batch in batches[first : first + per_part]:
+            for i, (new, finish) in zip(
+                batch, generate_batch(model, [prompts[i] for i in batch], gen_cfg, eot), strict=True
+            ):
+                part_rows.append(
+                    _row(
+                        rows[i],
+                        prompts[i] + new,
+                        [0] * len(prompts[i]) + [1] * len(new),
+                        len(prompts[i]),
+                        finish,
+                    )
+                )
+                part_stats[f"finish_{finish}"] += 1
+                new_tokens += len(new)
+            ran += 1
+            bar.update(len(batch))
+            bar.set_postfix(tok_s=f"{new_tokens / (time.perf_counter() - start):.0f}")
+        parts.save(first, part_rows, part_stats)
+        pending.append(first)
+    bar.close()
+    saved, part_stats = parts.load()
+    stats.update(part_stats)
+    return saved, stats, True
+
+
+def run(
+    cfg: Config, prompts_path: str, shard: int, out: str, max_batches: int | None = None
+) -> bool:
+    """Write one sequences shard; return False if stopped early by `max_batches` (resumable)."""
+    from dflashpipe.devices import stage_device
+    from dflashpipe.target import load_target, load_tokenizer, target_identity
+
+    out_path = Path(out)
+    if out_path.is_file():
+        log.info("%s is complete; not redone", out_path)
+        return True
+    gen = cfg.regenerate
+    rows = shard_rows(Path(prompts_path), shard, gen.shards)
+    budget = cfg.section("extract")["max_length"]
+    parts = PartStore(out_path)
+    if not gen.enabled:
+        tok = load_tokenizer(cfg.target)
+        stats: Counter = Counter()
+        seqs = dataset_rows(rows, tok, gen.enable_thinking, stats)
+    else:
+        with stage_device(cfg.devices.extract, shard, "devices.extract") as device:
+            log.info("shard %d: %d prompts on %s", shard, len(rows), device)
+            torch.manual_seed(gen.seed * 100_003 + shard)
+            model, tok = load_target(cfg.target, device)
+            seqs, stats, finished = regenerate_rows(
+                rows, model, tok, gen, budget, parts, max_batches
+            )
+            if not finished:
+                log.info("stopped after %d batches; rerun to finish %s", max_batches, out_path)
+                return False
+    order = {r["prompt_id"]: k for k, r in enumerate(rows)}
+    seqs.sort(key=lambda r: order[r["prompt_id"]])
+    meta = {
+        "target": target_identity(cfg.target, tok).to_json(),
+        "regenerate": json.dumps(cfg.section("regenerate"), sort_keys=True),
+        "stats": json.dumps({"prompts": len(rows), "samples": len(seqs), **stats}),
+        "shard": f"{shard}/{gen.shards}",
+    }
+    table = pa.Table.from_pylist(seqs, schema=SEQUENCE_SCHEMA).replace_schema_metadata(meta)
+    with atomic_path(out_path) as tmp:
+        pq.write_table(table, tmp, compression="zstd")
+    parts.clear()
+    log.info("shard %d: %d samples written to %s; %s", shard, len(seqs), out_path, meta["stats"])
+    return True

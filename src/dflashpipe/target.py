@@ -1,0 +1,159 @@
+"""The one target loader for every stage (regenerate, extract, evaluate) and its identity.
+
+A target is an HF hub id, a local HF directory, or a GGUF file inside a directory
+(`gguf_file=`). The identity (name, weights hash, tokenizer hash, chat-template hash) goes into
+every output's metadata so a consumer can refuse data made by another target.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from dflashpipe.config import TargetConfig
+from dflashpipe.errors import DataError
+from dflashpipe.storage import sha256_file
+
+log = logging.getLogger(__name__)
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt")
+_HASH_CACHE = Path(os.environ.get("DFLASHPIPE_CACHE", Path.home() / ".cache" / "dflashpipe"))
+
+
+@dataclass(frozen=True)
+class TargetIdentity:
+    name: str
+    weights_sha256: str
+    tokenizer_sha256: str
+    chat_template_sha256: str
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+
+def _is_local(cfg: TargetConfig) -> bool:
+    """True for a local directory/file; a missing path that is clearly not a hub id is an error."""
+    if Path(cfg.model).exists():
+        return True
+    if cfg.model.startswith(("resources/", "results/", "./", "../", "/", "~")):
+        raise DataError(f"target.model {cfg.model!r} does not exist (run `snakemake resources`?)")
+    return False
+
+
+def _hub_kwargs(cfg: TargetConfig, local: bool) -> dict:
+    kwargs = {"revision": cfg.revision} if cfg.revision else {}
+    if local:
+        # A local target must never reach for a hub (offline machines would retry for minutes).
+        kwargs["local_files_only"] = True
+    if cfg.gguf_file:
+        kwargs["gguf_file"] = cfg.gguf_file
+    return kwargs
+
+
+def torch_dtype(cfg: TargetConfig, device: torch.device) -> torch.dtype:
+    if cfg.dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, cfg.dtype)
+
+
+def load_tokenizer(cfg: TargetConfig):
+    from transformers import AutoTokenizer
+
+    name = cfg.tokenizer or cfg.model
+    kwargs = _hub_kwargs(cfg, Path(name).exists() if cfg.tokenizer else _is_local(cfg))
+    if cfg.tokenizer:
+        kwargs.pop("gguf_file", None)
+    try:
+        tok = AutoTokenizer.from_pretrained(name, **kwargs)
+    except OSError as e:
+        raise DataError(f"cannot load the tokenizer of target {name!r}: {e}") from None
+    if tok.chat_template is None:
+        raise DataError(f"the tokenizer of target {name!r} has no chat template")
+    return tok
+
+
+def load_target(cfg: TargetConfig, device: torch.device):
+    """(model, tokenizer) in eval mode on `device`: bf16 on GPU, float32 on CPU by default."""
+    from transformers import AutoModelForCausalLM
+
+    local = _is_local(cfg)
+    tok = load_tokenizer(cfg)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            cfg.model,
+            dtype=torch_dtype(cfg, device),
+            attn_implementation=cfg.attn_implementation,
+            **_hub_kwargs(cfg, local),
+        )
+    except (OSError, ValueError, ImportError) as e:
+        raise DataError(f"cannot load target {cfg.model!r}: {e}") from None
+    model.to(device).eval().requires_grad_(False)
+    return model, tok
+
+
+def weight_files(cfg: TargetConfig) -> list[Path]:
+    """The files whose bytes define the target's weights."""
+    root = Path(cfg.model)
+    if not root.exists():
+        from huggingface_hub import snapshot_download
+
+        patterns = [cfg.gguf_file] if cfg.gguf_file else [f"*{s}" for s in WEIGHT_SUFFIXES]
+        root = Path(snapshot_download(cfg.model, revision=cfg.revision, allow_patterns=patterns))
+    if cfg.gguf_file:
+        return [root / cfg.gguf_file]
+    if root.is_file():
+        return [root]
+    files = sorted(p for p in root.iterdir() if p.suffix in WEIGHT_SUFFIXES)
+    if not files:
+        raise DataError(f"no weight files ({', '.join(WEIGHT_SUFFIXES)}) in {root}")
+    return files
+
+
+def _file_sha256(path: Path) -> str:
+    """sha256 of a weight file, cached by (real path, size, mtime): targets are tens of GB."""
+    real = path.resolve()
+    if len(real.name) == 64 and real.parent.name == "blobs":
+        return real.name  # the HF cache names LFS blobs by their sha256
+    st = real.stat()
+    key = f"{real}|{st.st_size}|{st.st_mtime_ns}"
+    cache_file = _HASH_CACHE / "weights-sha256.json"
+    try:
+        cache = json.loads(cache_file.read_text())
+    except (OSError, ValueError):
+        cache = {}
+    if key not in cache:
+        cache[key] = sha256_file(real)
+        try:
+            cache_file.parent.mkdir(parents=True, exist_ok=True)
+            cache_file.write_text(json.dumps(cache))
+        except OSError:
+            log.debug("cannot write %s; weights will be hashed again next time", cache_file)
+    return cache[key]
+
+
+def tokenizer_sha256(tok) -> str:
+    backend = getattr(tok, "backend_tokenizer", None)
+    text = backend.to_str() if backend is not None else json.dumps(tok.get_vocab(), sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def chat_template_sha256(tok) -> str:
+    template = tok.chat_template
+    text = template if isinstance(template, str) else json.dumps(template, sort_keys=True)
+    return hashlib.sha256((text or "").encode()).hexdigest()
+
+
+def target_identity(cfg: TargetConfig, tok) -> TargetIdentity:
+    digest = hashlib.sha256()
+    for f in weight_files(cfg):
+        digest.update(f"{f.name}:{_file_sha256(f)}\n".encode())
+    name = cfg.model + (f"/{cfg.gguf_file}" if cfg.gguf_file else "")
+    return TargetIdentity(
+        name, digest.hexdigest(), tokenizer_sha256(tok), chat_template_sha256(tok)
+    )

@@ -1,0 +1,134 @@
+"""Export in the published DFlash layout and load it back."""
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+from transformers import LlamaConfig, Qwen3Config
+
+from dflashpipe.errors import DataError
+from dflashpipe.export import load_drafter, save_drafter
+from dflashpipe.model import Drafter, DrafterConfig
+
+V, H, MASK = 96, 32, 95
+SCALED_ROPE = {"rope_type": "linear", "factor": 2.0, "rope_theta": 20000.0}
+
+
+def drafter(learned_mask: bool = False) -> Drafter:
+    target = LlamaConfig(
+        num_hidden_layers=8,
+        hidden_size=H,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=V,
+        intermediate_size=48,
+        rope_parameters=dict(SCALED_ROPE),
+    )
+    config = DrafterConfig.from_target(
+        target,
+        mask_token_id=MASK,
+        num_layers=2,
+        block_size=4,
+        layer_types=["sliding_attention", "full_attention"],
+        sliding_window=5,
+        learned_mask_embedding=learned_mask,
+    )
+    torch.manual_seed(0)
+    d = Drafter(config, torch.randn(V, H), torch.randn(V, H))
+    with torch.no_grad():  # norms start at ones; make them matter for the round trip
+        for name, p in d.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+    return d
+
+
+def forward(d: Drafter) -> torch.Tensor:
+    g = torch.Generator().manual_seed(3)
+    T = 16
+    with torch.no_grad():
+        return d(
+            torch.randint(0, MASK, (T,), generator=g),
+            torch.randn(T, 2 * H, generator=g).to(d.fc.weight.dtype),
+            torch.arange(T),
+            torch.zeros(T, dtype=torch.long),
+            torch.tensor([2, 6, 11]),
+            torch.ones(3, dtype=torch.bool),
+        )
+
+
+def expected_names(n_layers: int) -> set[str]:
+    per_layer = (
+        [f"self_attn.{p}_proj.weight" for p in "qkvo"]
+        + [f"self_attn.{p}_norm.weight" for p in "qk"]
+        + [f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")]
+        + ["input_layernorm.weight", "post_attention_layernorm.weight"]
+    )
+    layers = {f"layers.{i}.{n}" for i in range(n_layers) for n in per_layer}
+    return layers | {"fc.weight", "hidden_norm.weight", "norm.weight"}
+
+
+def test_round_trip_gives_identical_outputs(tmp_path):
+    d = drafter()
+    save_drafter(d, tmp_path / "drafter")
+    loaded = load_drafter(tmp_path / "drafter", d.embed_tokens.weight, d.lm_head.weight)
+    assert torch.equal(forward(loaded), forward(d))
+    assert sorted(p.name for p in (tmp_path / "drafter").iterdir()) == [
+        "config.json",
+        "model.safetensors",
+    ]  # no temporary files left behind
+
+
+def test_files_use_the_published_names_and_fields(tmp_path):
+    d = drafter()
+    save_drafter(d, tmp_path, dtype=torch.bfloat16)
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+        assert f.get_tensor("fc.weight").shape == (H, 2 * H)
+        assert f.get_tensor("norm.weight").dtype == torch.bfloat16
+    assert names == expected_names(2)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["model_type"] == "qwen3"
+    assert cfg["dflash_config"]["mask_token_id"] == MASK
+    assert cfg["dflash_config"]["target_layer_ids"] == [1, 5]
+    assert (cfg["block_size"], cfg["num_target_layers"], cfg["num_hidden_layers"]) == (4, 8, 2)
+    assert cfg["layer_types"] == ["sliding_attention", "full_attention"]
+    assert (cfg["sliding_window"], cfg["tie_word_embeddings"]) == (5, False)
+    assert cfg["torch_dtype"] == "bfloat16" and cfg["head_dim"] == H // 4
+    assert cfg["rope_parameters"] == SCALED_ROPE and cfg["rope_theta"] == 20000.0
+    assert cfg["rope_scaling"] == SCALED_ROPE
+    # transformers itself reads it as the Qwen3 model it claims to be.
+    q = Qwen3Config.from_dict(cfg)
+    assert q.rope_parameters == SCALED_ROPE and q.layer_types == cfg["layer_types"]
+    assert (q.num_key_value_heads, q.intermediate_size, q.sliding_window) == (2, 48, 5)
+
+
+def test_bf16_export_loads_as_the_bf16_model(tmp_path):
+    d = drafter()
+    save_drafter(d, tmp_path, dtype=torch.bfloat16)
+    loaded = load_drafter(tmp_path, d.embed_tokens.weight, d.lm_head.weight)
+    assert loaded.fc.weight.dtype == torch.bfloat16
+    assert torch.equal(forward(loaded), forward(d.to(torch.bfloat16)))
+
+
+def test_learned_mask_embedding_is_saved_only_when_learned(tmp_path):
+    d = drafter(learned_mask=True)
+    with torch.no_grad():
+        d.mask_embedding.add_(1.0)
+    save_drafter(d, tmp_path)
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        assert set(f.keys()) == expected_names(2) | {"mask_embedding"}
+    loaded = load_drafter(tmp_path, d.embed_tokens.weight, d.lm_head.weight)
+    assert torch.equal(forward(loaded), forward(d))
+
+
+def test_missing_or_foreign_files_are_named(tmp_path):
+    with pytest.raises(DataError, match="config.json is missing"):
+        load_drafter(tmp_path, torch.zeros(V, H), torch.zeros(V, H))
+    d = drafter()
+    save_drafter(d, tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["architectures"] = ["Qwen3ForCausalLM"]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(DataError, match="lack DFlashDraftModel"):
+        load_drafter(tmp_path, d.embed_tokens.weight, d.lm_head.weight)

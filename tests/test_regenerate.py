@@ -1,0 +1,144 @@
+import json
+
+import pyarrow.parquet as pq
+import pytest
+
+from dflashpipe.chat import encode_chat, encode_prompt
+from dflashpipe.config import Config
+from dflashpipe.errors import DataError
+from dflashpipe.prompts import Prompt, prompt_key, write_prompts
+from dflashpipe.regenerate import PartStore, plan_batches, run
+from dflashpipe.target import load_tokenizer
+
+QUESTIONS = [
+    "What is the capital of France?", "Name three colors.", "Say hi.",
+    "Explain what a prime number is, briefly, in one or two sentences please.",
+    "Count from one to five.", "What is 2+2?", "Give me a word that rhymes with cat.",
+    "Translate 'hello' to Spanish.", "Why is the sky blue?", "List two fruits.",
+]  # fmt: skip
+
+
+@pytest.fixture
+def prompts_file(tmp_path):
+    prompts = []
+    for i, q in enumerate(QUESTIONS):
+        msgs = [{"role": "user", "content": q}]
+        prompts.append(Prompt(prompt_key(msgs), "t", str(i), 0, msgs, f"Answer {i}.", f"f:{i}"))
+    prompts[2].reference = None
+    write_prompts(tmp_path / "train.parquet", prompts)
+    return tmp_path / "train.parquet"
+
+
+def _cfg(target_dir, **regen) -> Config:
+    raw = {
+        "target": {"model": str(target_dir)},
+        "devices": {"extract": "auto"},
+        "prompts": {"sources": [{"name": "x", "kind": "jsonl", "path": "unused.jsonl"}]},
+        "regenerate": {"shards": 2, "batch_size": 2, "max_new_tokens": 8, "save_every": 2, **regen},
+        "extract": {"max_length": 256},
+    }
+    return Config.from_dict(raw)
+
+
+def _table(path):
+    return pq.read_table(path)
+
+
+def test_rows_are_exact_and_greedy_is_deterministic(tiny_target_dir, prompts_file, tmp_path):
+    cfg = _cfg(tiny_target_dir)
+    assert run(cfg, str(prompts_file), 0, str(tmp_path / "a.parquet"))
+    assert run(cfg, str(prompts_file), 0, str(tmp_path / "b.parquet"))
+    a, b = _table(tmp_path / "a.parquet"), _table(tmp_path / "b.parquet")
+    assert a.to_pylist() == b.to_pylist() and a.num_rows == 5
+    tok = load_tokenizer(cfg.target)
+    prompts = {r["prompt_id"]: r for r in pq.read_table(prompts_file).to_pylist()}
+    for row in a.to_pylist():
+        expected_prompt = encode_prompt(tok, prompts[row["prompt_id"]]["messages"])
+        n = row["num_prompt_tokens"]
+        assert row["input_ids"][:n] == expected_prompt and n == len(expected_prompt)
+        assert row["loss_mask"] == [0] * n + [1] * (len(row["input_ids"]) - n)
+        assert 1 <= len(row["input_ids"]) - n <= 8
+        assert row["finish_reason"] in ("stop", "length")
+    meta = a.schema.metadata
+    assert json.loads(meta[b"target"])["name"] == str(tiny_target_dir)
+    assert json.loads(meta[b"stats"])["samples"] == 5
+    # shards 0 and 1 partition the prompts
+    run(cfg, str(prompts_file), 1, str(tmp_path / "c.parquet"))
+    ids = {r["prompt_id"] for r in a.to_pylist()} | {
+        r["prompt_id"] for r in _table(tmp_path / "c.parquet").to_pylist()
+    }
+    assert ids == set(prompts)
+
+
+def test_interrupted_shard_resumes_to_the_same_bytes(tiny_target_dir, prompts_file, tmp_path):
+    cfg = _cfg(tiny_target_dir)
+    whole = tmp_path / "whole.parquet"
+    run(cfg, str(prompts_file), 0, str(whole))
+    out = tmp_path / "resumed.parquet"
+    assert run(cfg, str(prompts_file), 0, str(out), max_batches=1) is False
+    assert not out.exists()
+    assert len(PartStore(out).done()) == 1
+    assert run(cfg, str(prompts_file), 0, str(out), max_batches=1) is False  # one more batch
+    assert len(PartStore(out).done()) == 2
+    assert run(cfg, str(prompts_file), 0, str(out))
+    assert _table(out).to_pylist() == _table(whole).to_pylist()
+    assert not PartStore(out).dir.exists()
+
+
+def test_completed_shard_is_never_redone(tiny_target_dir, prompts_file, tmp_path):
+    cfg = _cfg(tiny_target_dir)
+    out = tmp_path / "s.parquet"
+    run(cfg, str(prompts_file), 0, str(out))
+    before = out.stat().st_mtime_ns
+    assert run(cfg, str(prompts_file), 0, str(out))
+    assert out.stat().st_mtime_ns == before
+
+
+def test_sampling_is_seeded(tiny_target_dir, prompts_file, tmp_path):
+    cfg = _cfg(tiny_target_dir, temperature=1.0, top_k=50, seed=3)
+    run(cfg, str(prompts_file), 0, str(tmp_path / "a.parquet"))
+    run(cfg, str(prompts_file), 0, str(tmp_path / "b.parquet"))
+    assert _table(tmp_path / "a.parquet").to_pylist() == _table(tmp_path / "b.parquet").to_pylist()
+
+
+def test_too_long_prompts_are_counted(tiny_target_dir, prompts_file, tmp_path):
+    cfg = _cfg(tiny_target_dir)
+    tok = load_tokenizer(cfg.target)
+    rows = pq.read_table(prompts_file).to_pylist()[0::2]  # shard 0 of 2
+    lengths = sorted(len(encode_prompt(tok, r["messages"])) for r in rows)
+    cfg.raw["extract"]["max_length"] = lengths[2]  # the budget fits strictly shorter prompts
+    run(cfg, str(prompts_file), 0, str(tmp_path / "s.parquet"))
+    table = _table(tmp_path / "s.parquet")
+    stats = json.loads(table.schema.metadata[b"stats"])
+    assert stats["prompt_too_long"] == sum(n >= lengths[2] for n in lengths) >= 1
+    assert stats["samples"] == table.num_rows == 5 - stats["prompt_too_long"]
+
+
+def test_dataset_answers_when_disabled(tiny_target_dir, prompts_file, tmp_path):
+    cfg = _cfg(tiny_target_dir, enabled=False)
+    run(cfg, str(prompts_file), 0, str(tmp_path / "s.parquet"))
+    rows = _table(tmp_path / "s.parquet").to_pylist()
+    tok = load_tokenizer(cfg.target)
+    prompts = {r["prompt_id"]: r for r in pq.read_table(prompts_file).to_pylist()}
+    for row in rows:
+        p = prompts[row["prompt_id"]]
+        ids, mask = encode_chat(
+            tok, [*p["messages"], {"role": "assistant", "content": p["reference"]}]
+        )
+        assert (row["input_ids"], row["loss_mask"]) == (ids, mask)
+        assert row["finish_reason"] == "dataset"
+    stats = json.loads(_table(tmp_path / "s.parquet").schema.metadata[b"stats"])
+    assert stats["no_reference"] + stats["samples"] == 5
+
+
+def test_bad_shard_and_empty_prompts(tiny_target_dir, prompts_file, tmp_path):
+    cfg = _cfg(tiny_target_dir)
+    with pytest.raises(DataError, match="shard index 2 is out of range"):
+        run(cfg, str(prompts_file), 2, str(tmp_path / "x.parquet"))
+    write_prompts(tmp_path / "empty.parquet", [])
+    with pytest.raises(DataError, match="holds no prompts"):
+        run(cfg, str(tmp_path / "empty.parquet"), 0, str(tmp_path / "y.parquet"))
+
+
+def test_batches_are_length_sorted():
+    assert plan_batches([3, 9, 1, 7, 5], 2) == [[1, 3], [4, 0], [2]]

@@ -1,0 +1,55 @@
+import pytest
+import torch
+from conftest import SMOLLM2_GGUF
+
+from dflashpipe.config import TargetConfig
+from dflashpipe.errors import DataError
+from dflashpipe.target import load_target, load_tokenizer, target_identity, torch_dtype
+
+
+def test_local_hf_directory(tiny_target_dir):
+    cfg = TargetConfig(model=str(tiny_target_dir))
+    model, tok = load_target(cfg, torch.device("cpu"))
+    assert model.dtype == torch.float32 and not model.training
+    assert not any(p.requires_grad for p in model.parameters())
+    assert model.config._attn_implementation == "sdpa"
+    assert tok.eos_token == "<|im_end|>"
+
+
+def test_identity_is_stable_and_sensitive(tiny_target_dir, smollm2_dir):
+    hf = TargetConfig(model=str(tiny_target_dir))
+    tok = load_tokenizer(hf)
+    a, b = target_identity(hf, tok), target_identity(hf, tok)
+    assert a == b and len(a.weights_sha256) == 64
+    gguf = TargetConfig(model=str(smollm2_dir), gguf_file=SMOLLM2_GGUF)
+    g = target_identity(gguf, load_tokenizer(gguf))
+    assert g.weights_sha256 != a.weights_sha256
+    assert g.tokenizer_sha256 == a.tokenizer_sha256  # same tokenizer, saved and reloaded
+    assert g.chat_template_sha256 == a.chat_template_sha256
+    assert g.name.endswith(SMOLLM2_GGUF)
+
+
+def test_gguf_target_loads_and_answers(smollm2_dir):
+    cfg = TargetConfig(model=str(smollm2_dir), gguf_file=SMOLLM2_GGUF)
+    model, tok = load_target(cfg, torch.device("cpu"))
+    assert model.config.num_hidden_layers == 30 and model.config.hidden_size == 576
+    ids = tok.apply_chat_template(
+        [{"role": "user", "content": "What is 2+2?"}], add_generation_prompt=True, return_dict=True,
+        return_tensors="pt",
+    )  # fmt: skip
+    out = model.generate(**ids, max_new_tokens=12, do_sample=False)
+    assert "4" in tok.decode(out[0, ids["input_ids"].shape[1] :])
+
+
+def test_dtype_policy():
+    cfg = TargetConfig(model="x")
+    assert torch_dtype(cfg, torch.device("cpu")) == torch.float32
+    assert torch_dtype(cfg, torch.device("cuda")) == torch.bfloat16
+    assert (
+        torch_dtype(TargetConfig(model="x", dtype="float16"), torch.device("cpu")) == torch.float16
+    )
+
+
+def test_missing_local_target_is_named():
+    with pytest.raises(DataError, match="resources/nothing-here.*does not exist"):
+        load_target(TargetConfig(model="resources/nothing-here"), torch.device("cpu"))

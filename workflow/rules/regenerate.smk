@@ -1,0 +1,32 @@
+# Stage 2: the target answers the train prompts, one job per shard on devices.extract.
+# GPU exclusivity comes from a lease the job process holds (src/dflashpipe/leases.py).
+
+
+rule regenerate_shard:
+    input:
+        prompts=f"{RESULTS}/prompts/train.parquet",
+        target=target_files,
+    output:
+        f"{RESULTS}/sequences/shard-{{shard}}.parquet",
+    log:
+        f"{LOGS}/regenerate/shard-{{shard}}.log",
+    benchmark:
+        f"{BENCH}/regenerate/shard-{{shard}}.tsv"
+    wildcard_constraints:
+        shard=r"\d{5}",
+    conda:
+        "../envs/dflashpipe.yaml"
+    threads: 2
+    params:
+        cli=DFLASHPIPE,
+        config=RESOLVED_CONFIG,
+        digest=stage_digest("target", "regenerate", "extract"),
+        shard=lambda wc: int(wc.shard),
+    shell:
+        "{params.cli} regenerate --config {params.config} --prompts {input.prompts}"
+        " --shard {params.shard} --out {output} > {log} 2>&1"
+
+
+rule regenerate:
+    input:
+        sequence_shards(),
