@@ -142,3 +142,10 @@ def test_bad_shard_and_empty_prompts(tiny_target_dir, prompts_file, tmp_path):
 
 def test_batches_are_length_sorted():
     assert plan_batches([3, 9, 1, 7, 5], 2) == [[1, 3], [4, 0], [2]]
+
+
+def test_static_cache_decodes_like_dynamic(tiny_target_dir, prompts_file, tmp_path):
+    """The GPU default (static KV cache) must give the same greedy answers as the CPU one."""
+    run(_cfg(tiny_target_dir, cache="dynamic"), str(prompts_file), 0, str(tmp_path / "d.parquet"))
+    run(_cfg(tiny_target_dir, cache="static"), str(prompts_file), 0, str(tmp_path / "s.parquet"))
+    assert _table(tmp_path / "d.parquet").to_pylist() == _table(tmp_path / "s.parquet").to_pylist()

@@ -195,6 +195,7 @@ class RegenerateConfig:
     top_k: int = 0
     seed: int = 0
     enable_thinking: bool | None = None
+    cache: str = "auto"
     save_every: int = 512
 
 

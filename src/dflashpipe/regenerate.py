@@ -61,11 +61,12 @@ def plan_batches(lengths: list[int], batch_size: int) -> list[list[int]]:
     return [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
 
 
-def generation_config(gen: RegenerateConfig, eot: set[int], pad_id: int):
+def generation_config(gen: RegenerateConfig, eot: set[int], pad_id: int, device: torch.device):
     from transformers import GenerationConfig
 
     # A fresh config: the model's own sampling defaults must not leak into "greedy".
     sampled = gen.temperature > 0
+    cache = gen.cache if gen.cache != "auto" else ("static" if device.type == "cuda" else "dynamic")
     extra = (
         {"temperature": gen.temperature, "top_p": gen.top_p, "top_k": gen.top_k} if sampled else {}
     )
@@ -74,6 +75,7 @@ def generation_config(gen: RegenerateConfig, eot: set[int], pad_id: int):
         do_sample=sampled,
         eos_token_id=sorted(eot),
         pad_token_id=pad_id,
+        cache_implementation=cache,
         **extra,
     )
 
@@ -163,7 +165,7 @@ def regenerate_rows(rows, model, tok, gen: RegenerateConfig, budget: int, parts:
     """Generate answers for `rows`, saving parts as it goes; (rows, stats, finished)."""
     eot = end_of_turn_ids(tok)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else min(eot)
-    gen_cfg = generation_config(gen, eot, pad_id)
+    gen_cfg = generation_config(gen, eot, pad_id, model.device)
     prompts = [encode_prompt(tok, r["messages"], gen.enable_thinking) for r in rows]
     stats: Counter = Counter()
     keep = [i for i, p in enumerate(prompts) if len(p) < budget]
