@@ -149,3 +149,13 @@ def test_static_cache_decodes_like_dynamic(tiny_target_dir, prompts_file, tmp_pa
     run(_cfg(tiny_target_dir, cache="dynamic"), str(prompts_file), 0, str(tmp_path / "d.parquet"))
     run(_cfg(tiny_target_dir, cache="static"), str(prompts_file), 0, str(tmp_path / "s.parquet"))
     assert _table(tmp_path / "d.parquet").to_pylist() == _table(tmp_path / "s.parquet").to_pylist()
+
+
+def test_padded_shapes_are_few():
+    from dflashpipe.regenerate import padded_shape
+
+    assert padded_shape([3, 10], 4) == (4, 64)
+    assert padded_shape([65, 100], 2) == (2, 128)
+    assert padded_shape([1000], 1) == (1, 1024)
+    widths = {padded_shape([n], 8)[1] for n in range(1, 4097)}
+    assert len(widths) <= 7  # under dynamo's recompile limit of 8

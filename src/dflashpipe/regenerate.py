@@ -80,21 +80,33 @@ def generation_config(gen: RegenerateConfig, eot: set[int], pad_id: int, device:
     )
 
 
+def padded_shape(lengths: list[int], batch_size: int) -> tuple[int, int]:
+    """(rows, width) of a generate() call: with a static cache every distinct shape is another
+    compiled decode graph, so widths round up to a power of two (>= 64) and a short last batch
+    is filled up to batch_size: a handful of shapes, far under the recompile limit."""
+    width = max(64, 1 << (max(lengths) - 1).bit_length())
+    return max(batch_size, len(lengths)), width
+
+
 @torch.inference_mode()
-def generate_batch(model, prompts: list[list[int]], gen_cfg, eot: set[int]) -> list[tuple]:
+def generate_batch(
+    model, prompts: list[list[int]], gen_cfg, eot: set[int], batch_size: int = 0
+) -> list[tuple]:
     """(new token ids incl. the end-of-turn token, finish reason) per prompt; left padding."""
-    device = model.device
-    width = max(map(len, prompts))
-    ids = torch.full((len(prompts), width), gen_cfg.pad_token_id, dtype=torch.long)
-    mask = torch.zeros((len(prompts), width), dtype=torch.long)
-    for row, p in enumerate(prompts):
+    rows, width = padded_shape(list(map(len, prompts)), batch_size)
+    ids = torch.full((rows, width), gen_cfg.pad_token_id, dtype=torch.long)
+    mask = torch.zeros((rows, width), dtype=torch.long)
+    for row in range(rows):
+        p = prompts[row % len(prompts)]  # filler rows repeat real prompts; their output is dropped
         ids[row, width - len(p) :] = torch.tensor(p)
         mask[row, width - len(p) :] = 1
     out = model.generate(
-        input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=gen_cfg
+        input_ids=ids.to(model.device),
+        attention_mask=mask.to(model.device),
+        generation_config=gen_cfg,
     )
     results = []
-    for row in out[:, width:].tolist():
+    for row in out[: len(prompts), width:].tolist():
         stop = next((k for k, t in enumerate(row) if t in eot), None)
         results.append((row[: stop + 1], "stop") if stop is not None else (row, "length"))
     return results
@@ -162,53 +174,43 @@ def _row(prompt_row: dict, ids: list[int], mask: list[int], n_prompt: int, finis
 
 def regenerate_rows(rows, model, tok, gen: RegenerateConfig, budget: int, parts: PartStore,
                     max_batches: int | None = None) -> tuple[list[dict], Counter, bool]:  # fmt: skip
-    """Generate answers for `rows`, saving parts as it goes; (rows, stats, finished)."""
+    """Generate answers for `rows`, saving a part file every `save_every` prompts;
+    returns (rows, stats, finished). Stops at a part boundary once `max_batches` have run."""
     eot = end_of_turn_ids(tok)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else min(eot)
     gen_cfg = generation_config(gen, eot, pad_id, model.device)
     prompts = [encode_prompt(tok, r["messages"], gen.enable_thinking) for r in rows]
-    stats: Counter = Counter()
     keep = [i for i, p in enumerate(prompts) if len(p) < budget]
-    stats["prompt_too_long"] = len(rows) - len(keep)
-    batches = [
-        [keep[i] for i in b] for b in plan_batches([len(prompts[i]) for i in keep], gen.batch_size)
-    ]
+    stats = Counter(prompt_too_long=len(rows) - len(keep))
+    by_length = plan_batches([len(prompts[i]) for i in keep], gen.batch_size)
+    batches = [[keep[i] for i in b] for b in by_length]
     per_part = max(1, gen.save_every // gen.batch_size)
-    done, todo = parts.done(), [k for k in range(0, len(batches), per_part)]
-    pending, ran, new_tokens = [], 0, 0
+    done = parts.done()
+    todo = [k for k in range(0, len(batches), per_part) if k not in done]
     bar = tqdm(total=len(keep), desc="regenerate", unit=" prompt", mininterval=2)
-    bar.update(sum(len(b) for k in done for b in batches[k : k + per_part]))
-    start = time.perf_counter()
+    bar.update(len(keep) - sum(len(b) for k in todo for b in batches[k : k + per_part]))
+    ran, new_tokens, start = 0, 0, time.perf_counter()
     for first in todo:
-        if first in done:
-            continue
         if max_batches is not None and ran >= max_batches:
             bar.close()
             return [], stats, False
         part_rows, part_stats = [], Counter()
         for batch in batches[first : first + per_part]:
-            for i, (new, finish) in zip(
-                batch, generate_batch(model, [prompts[i] for i in batch], gen_cfg, eot), strict=True
-            ):
-                part_rows.append(
-                    _row(
-                        rows[i],
-                        prompts[i] + new,
-                        [0] * len(prompts[i]) + [1] * len(new),
-                        len(prompts[i]),
-                        finish,
-                    )
-                )
+            answers = generate_batch(
+                model, [prompts[i] for i in batch], gen_cfg, eot, gen.batch_size
+            )
+            for i, (new, finish) in zip(batch, answers, strict=True):
+                mask = [0] * len(prompts[i]) + [1] * len(new)
+                part_rows.append(_row(rows[i], prompts[i] + new, mask, len(prompts[i]), finish))
                 part_stats[f"finish_{finish}"] += 1
                 new_tokens += len(new)
             ran += 1
             bar.update(len(batch))
             bar.set_postfix(tok_s=f"{new_tokens / (time.perf_counter() - start):.0f}")
         parts.save(first, part_rows, part_stats)
-        pending.append(first)
     bar.close()
     saved, part_stats = parts.load()
-    stats.update(part_stats)
+    stats.update(part_stats)  # update keeps zero counts (Counter + drops them)
     return saved, stats, True
 
 
