@@ -6,7 +6,11 @@ from snakemake.utils import min_version
 min_version("9.0")
 
 
-configfile: "config.yaml"
+# The embedded default, unless the user names config files (--configfile): then those alone
+# count, so keys of the default (e.g. its GGUF file name) never leak into another recipe.
+if not workflow.overwrite_configfiles:
+
+    configfile: "config.yaml"
 
 
 include: "workflow/rules/common.smk"
