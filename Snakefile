@@ -17,10 +17,11 @@ include: "workflow/rules/common.smk"
 include: "workflow/rules/retrieve.smk"
 include: "workflow/rules/prompts.smk"
 include: "workflow/rules/regenerate.smk"
+include: "workflow/rules/extract.smk"
 
 
 rule all:
     default_target: True
     # The furthest stage implemented so far; later stages extend this target.
     input:
-        rules.regenerate.input,
+        rules.extract.input,

@@ -60,6 +60,19 @@ def cmd_regenerate(args: argparse.Namespace) -> int:
     return 0 if finished else 3
 
 
+def cmd_extract(args: argparse.Namespace) -> None:
+    from dflashpipe.extract import run
+
+    run(load_config(args.config), args.sequences, args.shard, args.out)
+
+
+def cmd_manifest(args: argparse.Namespace) -> None:
+    from dflashpipe.shards import build_manifest
+    from dflashpipe.storage import write_json
+
+    write_json(args.out, build_manifest([Path(p) for p in args.shards]))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dflashpipe", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -92,6 +105,19 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         help="stop after this many batches (exit 3); a rerun continues where it stopped",
     )
+
+    p = add(
+        "extract", cmd_extract, "stage 3: target hidden states of one shard into a feature shard"
+    )
+    p.add_argument("--sequences", required=True, help="input sequences shard-XXXXX.parquet")
+    p.add_argument("--shard", required=True, type=int, help="shard index (0-based)")
+    p.add_argument(
+        "--out", required=True, help="output shard-XXXXX.arrow (+ .stats.json beside it)"
+    )
+
+    p = add("manifest", cmd_manifest, "gather feature shards into manifest.json")
+    p.add_argument("--shards", required=True, nargs="+", help="feature shards")
+    p.add_argument("--out", required=True, help="output manifest.json")
     return parser
 
 

@@ -11,6 +11,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+_UMASK = os.umask(0)
+os.umask(_UMASK)
+
 
 @contextlib.contextmanager
 def atomic_path(dest: str | Path) -> Iterator[Path]:
@@ -23,6 +26,7 @@ def atomic_path(dest: str | Path) -> Iterator[Path]:
     dest.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent)
     os.close(fd)
+    os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp makes 0600 files; outputs get the usual mode
     tmp_path = Path(tmp)
     try:
         yield tmp_path

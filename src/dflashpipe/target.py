@@ -78,14 +78,15 @@ def load_tokenizer(cfg: TargetConfig):
     return tok
 
 
-def load_target(cfg: TargetConfig, device: torch.device):
-    """(model, tokenizer) in eval mode on `device`: bf16 on GPU, float32 on CPU by default."""
-    from transformers import AutoModelForCausalLM
+def load_target(cfg: TargetConfig, device: torch.device, base_only: bool = False):
+    """(model, tokenizer) in eval mode on `device`: bf16 on GPU, float32 on CPU by default.
+    `base_only` loads the decoder stack without the LM head (AutoModel), as extract needs."""
+    from transformers import AutoModel, AutoModelForCausalLM
 
     local = _is_local(cfg)
     tok = load_tokenizer(cfg)
     try:
-        model = AutoModelForCausalLM.from_pretrained(
+        model = (AutoModel if base_only else AutoModelForCausalLM).from_pretrained(
             cfg.model,
             dtype=torch_dtype(cfg, device),
             attn_implementation=cfg.attn_implementation,

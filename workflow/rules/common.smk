@@ -73,3 +73,8 @@ def target_files(wildcards):
 def sequence_shards():
     n = CFG.regenerate.shards
     return [f"{RESULTS}/sequences/shard-{i:05d}.parquet" for i in range(n)]
+
+
+def feature_shards():
+    n = CFG.regenerate.shards
+    return [f"{RESULTS}/features/shard-{i:05d}.arrow" for i in range(n)]

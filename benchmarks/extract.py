@@ -1,0 +1,134 @@
+"""Extract stage throughput vs a bare forward of the same target, measured in one run.
+
+Target: Qwen3-8B shapes (36 layers, hidden 4096, GQA 32/8, vocab 151936) built from its config
+with random bf16 weights (speed does not depend on weight values). Baseline: `model(...)` over
+all 36 layers, sdpa, batches of 8 x 2048 tokens, no LM head. Measured path: the stage's
+`Extractor` (forward through layer 33 only, 5 layers tapped, pinned copies, encoder threads,
+Arrow writer to local disk) over the same number of tokens.
+
+    python benchmarks/extract.py --sequences 48 --out $OUT/extract.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+from transformers import Qwen3Config, Qwen3Model
+
+from dflashpipe.config import Config
+from dflashpipe.extract import Extractor, truncate_base
+from dflashpipe.shards import ShardInfo
+
+QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+                num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+                rms_norm_eps=1e-6)  # fmt: skip
+LAYERS = [1, 9, 17, 25, 33]
+
+
+SMOKE = dict(QWEN3_8B, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, vocab_size=1000)  # fmt: skip
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        sync()
+
+
+def build(device: torch.device, shape: dict) -> Qwen3Model:
+    torch.manual_seed(0)
+    torch.set_default_dtype(torch.bfloat16)
+    with device:
+        model = Qwen3Model(Qwen3Config(**shape, attn_implementation="sdpa"))
+    torch.set_default_dtype(torch.float32)
+    return model.eval().requires_grad_(False)
+
+
+def bare_forward_tok_s(model, ids: torch.Tensor, repeats: int = 5) -> float:
+    mask = torch.ones_like(ids)
+    times = []
+    with torch.inference_mode():
+        model(input_ids=ids, attention_mask=mask, use_cache=False)  # warm-up
+        for _ in range(repeats):
+            sync()
+            t = time.perf_counter()
+            model(input_ids=ids, attention_mask=mask, use_cache=False)
+            sync()
+            times.append(time.perf_counter() - t)
+    return ids.numel() / statistics.median(times)
+
+
+def extract_tok_s(
+    model, rows: list[dict], codec: str, level: int, out_dir: Path, hidden: int
+) -> dict:
+    raw = {"target": {"model": "qwen3-8b-random"}, "prompts": {"sources": [{"name": "x", "kind": "jsonl", "path": "x"}]},
+           "extract": {"codec": codec, "zstd_level": level, "token_budget": 16384, "encode_workers": None}}  # fmt: skip
+    cfg = Config.from_dict(raw)
+    info = ShardInfo(codec, LAYERS, hidden, {"name": "random"})
+    ex = Extractor(cfg, model, LAYERS, model.device)
+    ex.run(rows[:8], out_dir / "warmup.arrow", info, Counter())  # allocator, kernels, threads
+    out = out_dir / f"{codec}-{level}.arrow"
+    sync()
+    t = time.perf_counter()
+    ex.run(rows, out, info, Counter())
+    elapsed = time.perf_counter() - t
+    ex.close()
+    tokens = sum(len(r["input_ids"]) for r in rows)
+    raw_bytes = tokens * len(LAYERS) * hidden * 2
+    return {
+        "tok_s": tokens / elapsed,
+        "bytes": out.stat().st_size,
+        "ratio_vs_raw": raw_bytes / out.stat().st_size,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sequences", type=int, default=48)
+    ap.add_argument("--length", type=int, default=2048)
+    ap.add_argument(
+        "--runs", nargs="+", default=["bf16-zstd:3", "bf16-zstd:1", "fp8-zstd:3", "raw:3"]
+    )
+    ap.add_argument("--out", default="extract.json")
+    ap.add_argument(
+        "--smoke", action="store_true", help="tiny shapes on the CPU (checks the script)"
+    )
+    args = ap.parse_args()
+    shape = SMOKE if args.smoke else QWEN3_8B
+    device = torch.device("cpu" if args.smoke else "cuda")
+    model = build(device, shape)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, shape["vocab_size"], (args.sequences, args.length), generator=g)
+    base_tok_s = bare_forward_tok_s(model, ids[:8].to(device))
+    print(json.dumps({"bare_forward_tok_s": base_tok_s}), flush=True)
+    rows = [{"sample_id": str(i), "input_ids": ids[i].tolist(), "loss_mask": [1] * args.length}
+            for i in range(args.sequences)]  # fmt: skip
+    truncate_base(model, max(LAYERS))
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    results = {"device": name, "bare_forward_tok_s": base_tok_s, "runs": {}}
+    with tempfile.TemporaryDirectory(dir="/tmp") as tmp:
+        for spec in args.runs:
+            codec, level = spec.split(":")
+            r = extract_tok_s(model, rows, codec, int(level), Path(tmp), shape["hidden_size"])
+            r["ratio_vs_bare_forward"] = r["tok_s"] / base_tok_s
+            results["runs"][spec] = r
+            print(json.dumps({spec: r}), flush=True)
+            for f in Path(tmp).glob("*.arrow"):
+                f.unlink()
+    Path(args.out).write_text(json.dumps(results, indent=2))
+    print(f"\nbare forward (36 layers, 8x{args.length}): {base_tok_s:,.0f} tok/s")
+    print(f"{'codec:level':<14}{'tok/s':>10}{'x bare':>8}{'size vs raw bf16':>18}")
+    for spec, r in results["runs"].items():
+        print(
+            f"{spec:<14}{r['tok_s']:>10,.0f}{r['ratio_vs_bare_forward']:>8.2f}{r['ratio_vs_raw']:>17.2f}x"
+        )
+
+
+if __name__ == "__main__":
+    main()

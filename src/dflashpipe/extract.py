@@ -1,0 +1,293 @@
+"""Stage 3, extract: target hidden states of one sequences shard into one feature shard.
+
+    sequences/shard-i.parquet ─► length-sorted batches within a token budget
+      ─► GPU: base-model forward up to the deepest tapped layer, taps gathered by hooks
+      ─► pinned host buffers (non-blocking copy, one CUDA event per batch)
+      ─► encoder threads (numpy + zstd, no CUDA) ─► writer thread ─► features/shard-i.arrow
+
+The main thread is the only one that touches CUDA: it launches batch k+1 before it hands batch
+k's host copy to the encoders, so the GPU never waits on compression. A bounded queue between
+encoders and writer, and a fixed pool of pinned buffers, bound memory and give back-pressure.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import threading
+import time
+from collections import Counter
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from dflashpipe.codecs import encode
+from dflashpipe.config import Config
+from dflashpipe.errors import DataError
+from dflashpipe.shards import ShardInfo, feature_row, record_batch
+from dflashpipe.storage import atomic_path
+
+log = logging.getLogger(__name__)
+
+
+def plan_batches(lengths: list[int], token_budget: int) -> list[list[int]]:
+    """Indices in length-sorted batches whose padded size (rows x longest) fits the budget."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    batches: list[list[int]] = []
+    for i in order:
+        if batches and (len(batches[-1]) + 1) * lengths[batches[-1][0]] <= token_budget:
+            batches[-1].append(i)
+        else:
+            batches.append([i])
+    return batches
+
+
+def truncate_base(base: nn.Module, deepest: int) -> nn.Module:
+    """Drop the decoder layers after `deepest` so they are never run (not just ignored)."""
+    base.layers = base.layers[: deepest + 1]
+    base.config.num_hidden_layers = deepest + 1
+    if getattr(base.config, "layer_types", None):
+        base.config.layer_types = base.config.layer_types[: deepest + 1]
+    return base
+
+
+class LayerTaps:
+    """Forward hooks that keep the outputs of the tapped decoder layers (HF hidden_states[i+1])."""
+
+    def __init__(self, base: nn.Module, layer_ids: list[int]):
+        self.layer_ids = layer_ids
+        self.outputs: dict[int, torch.Tensor] = {}
+        self._handles = [base.layers[i].register_forward_hook(self._hook(i)) for i in layer_ids]
+
+    def _hook(self, i: int):
+        def keep(module, args, output):
+            self.outputs[i] = output[0] if isinstance(output, tuple) else output
+
+        return keep
+
+    def gather(self) -> torch.Tensor:
+        out = torch.cat([self.outputs[i] for i in self.layer_ids], dim=-1)  # (B, T, L*H)
+        self.outputs.clear()
+        return out
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+
+@torch.inference_mode()
+def forward_taps(
+    base: nn.Module, taps: LayerTaps, ids: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """(B, T, n_layers*H) hidden states of the tapped layers for right-padded `ids`."""
+    base(input_ids=ids, attention_mask=mask, use_cache=False)
+    return taps.gather().to(torch.bfloat16)  # shards hold bf16 whatever the compute dtype
+
+
+def read_sequences(
+    path: Path, identity: dict, max_length: int, overflow: str, stats: Counter
+) -> list[dict]:
+    """Rows of a sequences shard made with this target's tokenizer, fitted to max_length."""
+    if not path.is_file():
+        raise DataError(f"sequences shard not found: {path}")
+    table = pq.read_table(path)
+    made_by = json.loads((table.schema.metadata or {}).get(b"target", b"{}"))
+    for key in ("tokenizer_sha256", "weights_sha256"):
+        if made_by.get(key) != identity[key]:
+            raise DataError(
+                f"{path} was made by target {made_by.get('name')!r} ({key} {made_by.get(key)}), "
+                f"but the configured target {identity['name']!r} has {identity[key]}"
+            )
+    rows = []
+    for r in table.to_pylist():
+        if len(r["input_ids"]) > max_length:
+            if overflow == "skip" or sum(r["loss_mask"][:max_length]) == 0:
+                stats["too_long"] += 1
+                continue
+            stats["truncated"] += 1
+            r["input_ids"], r["loss_mask"] = (
+                r["input_ids"][:max_length],
+                r["loss_mask"][:max_length],
+            )
+        rows.append(r)
+    return rows
+
+
+class ShardWriter(threading.Thread):
+    """Writes encoded batches, in the order they were submitted, to an Arrow IPC file."""
+
+    def __init__(self, path: Path, schema: pa.Schema, depth: int):
+        super().__init__(daemon=True)
+        self.queue: queue.Queue = queue.Queue(maxsize=depth)  # back-pressure on the GPU loop
+        self.path, self.schema = path, schema
+        self.error: BaseException | None = None
+        self.raw_bytes = self.encoded_bytes = 0
+
+    def run(self) -> None:
+        try:
+            with pa.OSFile(str(self.path), "wb") as sink, pa.ipc.new_file(sink, self.schema) as w:
+                while (item := self.queue.get()) is not None:
+                    rows = [f.result() for f in item]
+                    w.write_batch(record_batch(rows))
+                    self.encoded_bytes += sum(
+                        len(r["hidden"]) + len(r["scales"] or b"") for r in rows
+                    )
+                    self.raw_bytes += sum(r["raw_bytes"] for r in rows)
+        except BaseException as e:  # surfaced by the main thread
+            self.error = e
+            while self.queue.get() is not None:  # keep draining so the producer never blocks
+                pass
+
+
+class Extractor:
+    """The stage's pipeline for one shard (see the module docstring)."""
+
+    def __init__(self, cfg: Config, base: nn.Module, layer_ids: list[int], device: torch.device):
+        ex = cfg.section("extract")
+        self.codec, self.level, self.budget = ex["codec"], ex["zstd_level"], ex["token_budget"]
+        self.base, self.device, self.layer_ids = base, device, layer_ids
+        self.taps = LayerTaps(base, layer_ids)
+        workers = ex["encode_workers"] or max(1, min(16, (os.cpu_count() or 2) - 1))
+        self.pool = ThreadPoolExecutor(workers, thread_name_prefix="encode")
+        self.pinned = device.type == "cuda"
+
+    def _encode_row(self, row: dict, block: torch.Tensor) -> dict:
+        enc = encode(block, self.codec, len(self.layer_ids), self.level)
+        out = feature_row(row["sample_id"], row["input_ids"], row["loss_mask"], enc)
+        return out | {"raw_bytes": block.numel() * 2}
+
+    def _launch(self, rows: list[dict]):
+        """Forward one batch and start its device-to-host copy; returns what the host needs."""
+        width = max(len(r["input_ids"]) for r in rows)
+        ids = torch.zeros((len(rows), width), dtype=torch.long, pin_memory=self.pinned)
+        mask = torch.zeros((len(rows), width), dtype=torch.long, pin_memory=self.pinned)
+        for b, r in enumerate(rows):
+            ids[b, : len(r["input_ids"])] = torch.tensor(r["input_ids"])
+            mask[b, : len(r["input_ids"])] = 1
+        mask_d = mask.to(self.device, non_blocking=True)
+        hidden = forward_taps(self.base, self.taps, ids.to(self.device, non_blocking=True), mask_d)
+        finite = torch.isfinite(hidden).logical_or(mask_d[..., None] == 0).flatten(1).all(1)  # (B,)
+        host = torch.empty(hidden.shape, dtype=hidden.dtype, pin_memory=self.pinned)
+        host.copy_(hidden, non_blocking=True)
+        finite_host = finite.to("cpu", non_blocking=True)
+        event = torch.cuda.Event() if self.pinned else None
+        if event is not None:
+            event.record()
+        return rows, host, finite_host, event
+
+    def _hand_over(self, launched, writer: ShardWriter, stats: Counter) -> None:
+        rows, host, finite, event = launched
+        if event is not None:
+            event.synchronize()  # the copy of this batch is complete (the next batch is running)
+        futures: list[Future] = []
+        for b, r in enumerate(rows):
+            if not bool(finite[b]):
+                stats["nan_or_inf"] += 1
+                continue
+            futures.append(self.pool.submit(self._encode_row, r, host[b, : len(r["input_ids"])]))
+        writer.queue.put(futures)
+
+    def run(self, rows: list[dict], out: Path, info: ShardInfo, stats: Counter) -> None:
+        batches = plan_batches([len(r["input_ids"]) for r in rows], self.budget)
+        bar = tqdm(
+            total=sum(len(r["input_ids"]) for r in rows), desc="extract", unit=" tok", mininterval=2
+        )
+        start, pending = time.perf_counter(), None
+        with atomic_path(out) as tmp:
+            schema = record_batch([]).schema.with_metadata(info.metadata())
+            writer = ShardWriter(tmp, schema, depth=4)
+            writer.start()
+            try:
+                for batch in batches:
+                    launched = self._launch([rows[i] for i in batch])
+                    if pending is not None:
+                        self._hand_over(pending, writer, stats)
+                        self._progress(bar, pending[0], writer, start)
+                    pending = launched
+                if pending is not None:
+                    self._hand_over(pending, writer, stats)
+                    self._progress(bar, pending[0], writer, start)
+            finally:
+                writer.queue.put(None)
+                writer.join()
+            if writer.error is not None:
+                raise writer.error
+        bar.close()
+
+    def _progress(self, bar: tqdm, rows: list[dict], writer: ShardWriter, start: float) -> None:
+        tokens = sum(len(r["input_ids"]) for r in rows)
+        bar.update(tokens)
+        mb_s = writer.encoded_bytes / 1e6 / (time.perf_counter() - start)
+        ratio = writer.raw_bytes / max(1, writer.encoded_bytes)
+        bar.set_postfix(written_mb_s=f"{mb_s:.1f}", ratio=f"{ratio:.2f}x")
+
+    def close(self) -> None:
+        self.taps.remove()
+        self.pool.shutdown()
+
+
+def layer_ids_for(cfg: Config, num_target_layers: int) -> list[int]:
+    from dflashpipe.model import default_target_layer_ids
+
+    drafter = cfg.section("drafter")
+    ids = drafter["target_layer_ids"] or default_target_layer_ids(
+        num_target_layers, drafter["num_target_layers"]
+    )
+    bad = [i for i in ids if not 0 <= i < num_target_layers]
+    if bad:
+        raise DataError(
+            f"drafter.target_layer_ids {bad} outside the target's {num_target_layers} layers"
+        )
+    return list(ids)
+
+
+def run(cfg: Config, sequences: str, shard: int, out: str) -> None:
+    """Write one feature shard (and its .stats.json) from one sequences shard."""
+    from dflashpipe.devices import stage_device
+    from dflashpipe.shards import stats_path
+    from dflashpipe.storage import write_json
+    from dflashpipe.target import load_target, target_identity
+
+    out_path = Path(out)
+    if out_path.is_file() and stats_path(out_path).is_file():
+        log.info("%s is complete; not redone", out_path)
+        return
+    ex = cfg.section("extract")
+    with stage_device(cfg.devices.extract, shard, "devices.extract") as device:
+        base, tok = load_target(cfg.target, device, base_only=True)
+        identity = json.loads(target_identity(cfg.target, tok).to_json())
+        stats: Counter = Counter()
+        rows = read_sequences(Path(sequences), identity, ex["max_length"], ex["overflow"], stats)
+        layer_ids = layer_ids_for(cfg, base.config.num_hidden_layers)
+        info = ShardInfo(ex["codec"], layer_ids, base.config.hidden_size, identity)
+        truncate_base(base, max(layer_ids))
+        log.info(
+            "shard %d: %d samples on %s, layers %s, codec %s",
+            shard,
+            len(rows),
+            device,
+            layer_ids,
+            info.codec,
+        )
+        extractor = Extractor(cfg, base, layer_ids, device)
+        try:
+            extractor.run(rows, out_path, info, stats)
+        finally:
+            extractor.close()
+    kept = len(rows) - stats["nan_or_inf"]
+    tokens = sum(len(r["input_ids"]) for r in rows)
+    write_json(stats_path(out_path), {"samples": kept, "tokens": tokens, "skipped": dict(stats)})
+    log.info(
+        "shard %d: %d samples, %d bytes, skipped %s",
+        shard,
+        kept,
+        out_path.stat().st_size,
+        dict(stats),
+    )

@@ -1,0 +1,193 @@
+"""Feature shards: Arrow IPC files of target hidden states, and the manifest that vouches for them.
+
+One row per sample: `sample_id`, `input_ids` (int32), `loss_mask` (uint8), `num_tokens`, the
+encoded `hidden` block (T, n_layers * H) and its codec fields (`hidden_split`, `scales`). The
+schema metadata names the codec, dtype, layer ids, hidden size, format version and the target,
+so a consumer can refuse a shard it does not fit. Files are memory-mappable.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import torch
+
+from dflashpipe.codecs import Encoded, decode
+from dflashpipe.errors import DataError, IntegrityError
+from dflashpipe.storage import sha256_file
+
+FORMAT_VERSION = "1"
+
+FEATURE_SCHEMA = pa.schema(
+    [
+        ("sample_id", pa.string()),
+        ("input_ids", pa.list_(pa.int32())),
+        ("loss_mask", pa.list_(pa.uint8())),
+        ("num_tokens", pa.int32()),
+        ("hidden", pa.large_binary()),
+        ("hidden_split", pa.int64()),
+        ("scales", pa.binary()),
+    ]
+)
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """What a shard's schema metadata promises about its hidden states."""
+
+    codec: str
+    layer_ids: list[int]
+    hidden_size: int
+    target: dict
+
+    def metadata(self) -> dict[str, str]:
+        return {
+            "format_version": FORMAT_VERSION,
+            "codec": self.codec,
+            "dtype": "bfloat16",
+            "layer_ids": json.dumps(self.layer_ids),
+            "hidden_size": str(self.hidden_size),
+            "target": json.dumps(self.target, sort_keys=True),
+        }
+
+    @classmethod
+    def from_metadata(cls, meta: dict[bytes, bytes], path: Path) -> ShardInfo:
+        try:
+            m = {k.decode(): v.decode() for k, v in meta.items()}
+            if m["format_version"] != FORMAT_VERSION:
+                raise DataError(
+                    f"{path}: format version {m['format_version']}, expected {FORMAT_VERSION}"
+                )
+            return cls(
+                m["codec"],
+                json.loads(m["layer_ids"]),
+                int(m["hidden_size"]),
+                json.loads(m["target"]),
+            )
+        except (KeyError, AttributeError, ValueError) as e:
+            raise DataError(f"{path}: not a dflashpipe feature shard (metadata: {e})") from None
+
+
+def stats_path(shard: Path) -> Path:
+    return shard.with_name(shard.stem + ".stats.json")
+
+
+def record_batch(rows: list[dict]) -> pa.RecordBatch:
+    return pa.RecordBatch.from_pylist(rows, schema=FEATURE_SCHEMA)
+
+
+def feature_row(sample_id: str, input_ids: list[int], loss_mask: list[int], enc: Encoded) -> dict:
+    return {
+        "sample_id": sample_id,
+        "input_ids": input_ids,
+        "loss_mask": loss_mask,
+        "num_tokens": len(input_ids),
+        "hidden": enc.hidden,
+        "hidden_split": enc.split,
+        "scales": enc.scales,
+    }
+
+
+class FeatureShard:
+    """A memory-mapped feature shard: random access to decoded samples."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise DataError(f"feature shard not found: {self.path}")
+        try:
+            self._reader = pa.ipc.open_file(pa.memory_map(str(self.path), "r"))
+        except pa.ArrowInvalid as e:
+            raise DataError(f"{self.path}: not an Arrow IPC file ({e})") from None
+        self.info = ShardInfo.from_metadata(self._reader.schema.metadata or {}, self.path)
+        self.table = self._reader.read_all()
+
+    def __len__(self) -> int:
+        return self.table.num_rows
+
+    @property
+    def stats(self) -> dict:
+        """The extract job's counts, from the `.stats.json` written beside the shard."""
+        path = stats_path(self.path)
+        return json.loads(path.read_text()) if path.is_file() else {}
+
+    def sample(self, i: int) -> dict:
+        """Row i with `hidden` decoded to a (T, n_layers * H) bf16 tensor."""
+        row = self.table.slice(i, 1).to_pylist()[0]
+        n_layers = len(self.info.layer_ids)
+        enc = Encoded(row["hidden"], row["hidden_split"], row["scales"])
+        row["hidden"] = decode(
+            enc, self.info.codec, row["num_tokens"], n_layers * self.info.hidden_size, n_layers
+        )
+        row["input_ids"] = torch.tensor(row["input_ids"], dtype=torch.int32)
+        row["loss_mask"] = torch.tensor(row["loss_mask"], dtype=torch.uint8)
+        return row
+
+    def __iter__(self) -> Iterator[dict]:
+        for i in range(len(self)):
+            yield self.sample(i)
+
+
+def build_manifest(shard_paths: list[Path]) -> dict:
+    """Gather every shard's promises, counts and checksum into one manifest."""
+    shards, first = [], None
+    for path in shard_paths:
+        shard = FeatureShard(path)
+        info, stats = shard.info, shard.stats
+        if first is None:
+            first = info
+        elif info != first:
+            raise DataError(f"{path}: codec/layers/hidden size/target differ from {shard_paths[0]}")
+        tokens = int(pc.sum(shard.table.column("num_tokens")).as_py() or 0)
+        shards.append(
+            {"path": str(path), "samples": len(shard), "tokens": tokens, "bytes": path.stat().st_size,
+             "sha256": sha256_file(path), "skipped": stats.get("skipped", {})}
+        )  # fmt: skip
+    if first is None:
+        raise DataError("no feature shards to gather into a manifest")
+    skipped: dict[str, int] = {}
+    for s in shards:
+        for reason, n in s["skipped"].items():
+            skipped[reason] = skipped.get(reason, 0) + n
+    return {
+        "format_version": FORMAT_VERSION,
+        "target": first.target,
+        "layer_ids": first.layer_ids,
+        "hidden_size": first.hidden_size,
+        "codec": first.codec,
+        "totals": {
+            "samples": sum(s["samples"] for s in shards),
+            "tokens": sum(s["tokens"] for s in shards),
+            "bytes": sum(s["bytes"] for s in shards),
+            "skipped": skipped,
+        },
+        "shards": shards,
+    }
+
+
+def check_manifest(manifest: dict, expected: dict) -> None:
+    """Refuse features that do not fit a consumer: `expected` maps manifest keys (layer_ids,
+    hidden_size, codec, or target.<field>) to the values the consumer needs."""
+    for key, want in expected.items():
+        have = manifest
+        for part in key.split("."):
+            have = have.get(part) if isinstance(have, dict) else None
+        if have != want:
+            raise DataError(f"feature manifest {key} is {have!r}, but the consumer needs {want!r}")
+
+
+def verify_shard(path: Path, manifest: dict) -> None:
+    """Raise IntegrityError when a shard's bytes are not those the manifest recorded."""
+    entry = next((s for s in manifest["shards"] if Path(s["path"]).name == path.name), None)
+    if entry is None:
+        raise DataError(f"{path} is not listed in the feature manifest")
+    got = sha256_file(path)
+    if got != entry["sha256"]:
+        raise IntegrityError(
+            f"{path}: sha256 {got} does not match the manifest's {entry['sha256']}"
+        )

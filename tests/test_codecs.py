@@ -1,0 +1,59 @@
+import pytest
+import torch
+
+from dflashpipe.codecs import CODECS, decode, encode
+from dflashpipe.errors import DataError
+
+
+def _block(T=37, L=3, H=64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, L, H, generator=g) * torch.logspace(-2, 2, L)[None, :, None]
+    x[0] = 0  # an all-zero token
+    x[1, 0, :4] = torch.tensor([1e4, -1e4, 1e-8, -0.0])
+    return x.reshape(T, L * H).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("codec", ["raw", "bf16-zstd"])
+def test_lossless_codecs_are_bit_exact(codec):
+    block = _block()
+    enc = encode(block, codec, n_layers=3)
+    out = decode(enc, codec, block.shape[0], block.shape[1], 3)
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out.view(torch.int16), block.view(torch.int16))
+
+
+def test_bf16_zstd_compresses_real_looking_states():
+    block = _block(T=256)
+    enc = encode(block, "bf16-zstd", n_layers=3)
+    assert len(enc.hidden) < 0.9 * block.numel() * 2
+    assert 0 < enc.split < len(enc.hidden)
+
+
+def test_fp8_error_is_bounded_per_token_and_layer():
+    block = _block()
+    enc = encode(block, "fp8-zstd", n_layers=3)
+    out = decode(enc, "fp8-zstd", block.shape[0], block.shape[1], 3).float().view(37, 3, 64)
+    ref = block.float().view(37, 3, 64)
+    amax = ref.abs().amax(-1, keepdim=True)
+    # e4m3 keeps 3 mantissa bits: error <= 1/16 of the value, plus bf16 rounding of the result
+    assert ((out - ref).abs() <= ref.abs() / 16 + amax * 2**-9 + 1e-30).all()
+    assert torch.equal(out[0], torch.zeros(3, 64))
+    rel = (out - ref).norm() / ref.norm()
+    assert rel < 0.05
+    assert len(enc.scales) == 37 * 3 * 4
+
+
+def test_corrupt_payload_is_a_data_error():
+    block = _block()
+    enc = encode(block, "bf16-zstd", n_layers=3)
+    enc.hidden = enc.hidden[:10] + b"\x00" * 20 + enc.hidden[30:]
+    with pytest.raises(DataError, match="cannot decode a bf16-zstd block of 37x192"):
+        decode(enc, "bf16-zstd", 37, 192, 3)
+
+
+def test_wrong_input_and_codec():
+    with pytest.raises(ValueError, match="bfloat16"):
+        encode(torch.zeros(2, 4), "raw", 1)
+    with pytest.raises(ValueError, match="unknown codec"):
+        encode(torch.zeros(2, 4, dtype=torch.bfloat16), "gzip", 1)
+    assert set(CODECS) == {"raw", "bf16-zstd", "fp8-zstd"}

@@ -1,0 +1,215 @@
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+from conftest import write_yaml
+from transformers import LlamaConfig, LlamaModel
+
+from dflashpipe.config import Config
+from dflashpipe.errors import DataError
+from dflashpipe.extract import LayerTaps, forward_taps, plan_batches, run, truncate_base
+from dflashpipe.prompts import Prompt, prompt_key, write_prompts
+from dflashpipe.regenerate import run as regenerate
+from dflashpipe.shards import FeatureShard, build_manifest, check_manifest, stats_path, verify_shard
+from dflashpipe.target import load_target
+
+ANSWER = "Sure. " + "This is a longer answer with several words in it. " * 3
+
+
+def _raw(target_dir, tmp_path, **extract):
+    return {
+        "target": {"model": str(target_dir)},
+        "prompts": {"sources": [{"name": "x", "kind": "jsonl", "path": "unused.jsonl"}]},
+        "regenerate": {"enabled": False, "shards": 1},
+        "extract": {"max_length": 512, "token_budget": 256, **extract},
+        "drafter": {"target_layer_ids": [0, 1]},
+    }
+
+
+def _cfg(target_dir, tmp_path, **extract) -> Config:
+    return Config.from_dict(_raw(target_dir, tmp_path, **extract))
+
+
+@pytest.fixture
+def sequences(tiny_target_dir, tmp_path):
+    """A sequences shard of 12 samples of different lengths (the datasets' own answers)."""
+    prompts = []
+    for i in range(12):
+        msgs = [{"role": "user", "content": f"Question number {i}? " + "more words " * (i * 3)}]
+        prompts.append(
+            Prompt(prompt_key(msgs), "t", str(i), 0, msgs, ANSWER[: 20 + 7 * i], f"f:{i}")
+        )
+    write_prompts(tmp_path / "train.parquet", prompts)
+    out = tmp_path / "seq.parquet"
+    regenerate(_cfg(tiny_target_dir, tmp_path), str(tmp_path / "train.parquet"), 0, str(out))
+    return out
+
+
+def test_taps_are_hf_hidden_states_and_later_layers_do_not_run():
+    config = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=5,
+                         num_attention_heads=4, num_key_value_heads=2)  # fmt: skip
+    torch.manual_seed(0)
+    full = LlamaModel(config).eval()
+    ids = torch.randint(0, 128, (2, 9))
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        ref = full(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states
+    base = LlamaModel(config).eval()
+    base.load_state_dict(full.state_dict())
+    ran = []
+    for i, layer in enumerate(base.layers):
+        layer.register_forward_hook(lambda *_, i=i: ran.append(i))
+    truncate_base(base, 2)
+    taps = LayerTaps(base, [0, 2])
+    out = forward_taps(base, taps, ids, mask)  # (2, 9, 64)
+    assert ran == [0, 1, 2]  # layers 3 and 4 were never run
+    expected = torch.cat([ref[1], ref[3]], dim=-1).to(torch.bfloat16)
+    assert torch.equal(out, expected)
+
+
+def test_batches_fit_the_budget():
+    lengths = [100, 30, 250, 60, 61, 10]
+    batches = plan_batches(lengths, 200)
+    assert sorted(i for b in batches for i in b) == list(range(6))
+    for b in batches:
+        assert len(b) == 1 or len(b) * max(lengths[i] for i in b) <= 200
+    assert batches[0] == [2]  # longest first
+
+
+@pytest.mark.parametrize("codec", ["bf16-zstd", "fp8-zstd", "raw"])
+def test_stage_writes_decodable_shard(tiny_target_dir, sequences, tmp_path, codec):
+    cfg = _cfg(tiny_target_dir, tmp_path, codec=codec)
+    out = tmp_path / "features" / "shard-00000.arrow"
+    run(cfg, str(sequences), 0, str(out))
+    shard = FeatureShard(out)
+    assert len(shard) == 12 and shard.info.codec == codec and shard.info.layer_ids == [0, 1]
+    assert shard.info.hidden_size == 64 and json.loads(stats_path(out).read_text())["samples"] == 12
+    base, _ = load_target(cfg.target, torch.device("cpu"), base_only=True)
+    taps = LayerTaps(base, [0, 1])
+    for row in shard:
+        ids = row["input_ids"].long()[None]
+        ref = forward_taps(base, taps, ids, torch.ones_like(ids))[0]  # unpadded, alone
+        assert row["hidden"].shape == ref.shape == (len(ids[0]), 128)
+        tol = 0.07 if codec == "fp8-zstd" else 0.01
+        assert (row["hidden"].float() - ref.float()).norm() <= tol * ref.float().norm()
+
+
+def test_manifest_totals_mismatch_and_checksum(tiny_target_dir, sequences, tmp_path):
+    cfg = _cfg(tiny_target_dir, tmp_path)
+    paths = []
+    for name in ("shard-00000.arrow", "shard-00001.arrow"):
+        run(cfg, str(sequences), 0, str(tmp_path / name))
+        paths.append(tmp_path / name)
+    m = build_manifest(paths)
+    assert m["totals"]["samples"] == 24 and m["layer_ids"] == [0, 1] and m["hidden_size"] == 64
+    assert m["totals"]["tokens"] == 2 * sum(len(r["input_ids"]) for r in FeatureShard(paths[0]))
+    check_manifest(m, {"layer_ids": [0, 1], "hidden_size": 64})
+    with pytest.raises(DataError, match=r"layer_ids is \[0, 1\], but the consumer needs \[1, 3\]"):
+        check_manifest(m, {"layer_ids": [1, 3]})
+    with pytest.raises(DataError, match="target.weights_sha256"):
+        check_manifest(m, {"target.weights_sha256": "0" * 64})
+    verify_shard(paths[0], m)
+    data = bytearray(paths[0].read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    paths[0].write_bytes(bytes(data))
+    with pytest.raises(Exception, match="does not match the manifest"):
+        verify_shard(paths[0], m)
+
+
+def test_overflow_truncate_and_skip(tiny_target_dir, sequences, tmp_path):
+    lengths = sorted(len(r["input_ids"]) for r in pq.read_table(sequences).to_pylist())
+    limit = lengths[6]
+    for overflow in ("truncate", "skip"):
+        out = tmp_path / f"{overflow}.arrow"
+        run(
+            _cfg(tiny_target_dir, tmp_path, max_length=limit, overflow=overflow),
+            str(sequences),
+            0,
+            str(out),
+        )
+        stats = json.loads(stats_path(out).read_text())
+        over = sum(n > limit for n in lengths)
+        rows = list(FeatureShard(out))
+        assert max(len(r["input_ids"]) for r in rows) <= limit
+        if overflow == "skip":
+            assert stats["skipped"]["too_long"] == over and len(rows) == 12 - over
+        else:
+            assert (
+                stats["skipped"].get("truncated", 0) + stats["skipped"].get("too_long", 0) == over
+            )
+
+
+def test_nan_activations_are_skipped_and_counted(tiny_target_dir, sequences, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    bad = tmp_path / "bad-target"
+    bad.mkdir()
+    for f in tiny_target_dir.iterdir():
+        (bad / f.name).write_bytes(f.read_bytes())
+    weights = load_file(bad / "model.safetensors")
+    rows = pq.read_table(sequences).to_pylist()
+    poison = rows[3]["input_ids"][-3]  # a token of sample 3's answer
+    uses = sum(poison in r["input_ids"] for r in rows)
+    weights["model.embed_tokens.weight"][poison] = float("nan")
+    save_file(weights, bad / "model.safetensors", metadata={"format": "pt"})
+    cfg = _cfg(tiny_target_dir, tmp_path)
+    cfg.raw["target"]["model"] = str(bad)
+    cfg.target.model = str(bad)
+    # the sequences were made with the same tokenizer but other weights: refused by default...
+    with pytest.raises(DataError, match="weights_sha256"):
+        run(cfg, str(sequences), 0, str(tmp_path / "x.arrow"))
+    # ...so remake them with the poisoned target, then extract
+    seq2 = tmp_path / "seq2.parquet"
+    regenerate(cfg, str(tmp_path / "train.parquet"), 0, str(seq2))
+    run(cfg, str(seq2), 0, str(tmp_path / "nan.arrow"))
+    stats = json.loads(stats_path(tmp_path / "nan.arrow").read_text())
+    assert stats["skipped"]["nan_or_inf"] == uses >= 1
+    assert len(FeatureShard(tmp_path / "nan.arrow")) == 12 - uses
+
+
+def test_killed_job_leaves_no_shard_and_rerun_matches(tiny_target_dir, sequences, tmp_path):
+    raw = _raw(tiny_target_dir, tmp_path, token_budget=16, encode_workers=1)
+    config = write_yaml(tmp_path / "c.yaml", raw)
+    cmd = [sys.executable, "-m", "dflashpipe", "extract", "--config", str(config),
+           "--sequences", str(sequences), "--shard", "0"]  # fmt: skip
+    whole = tmp_path / "whole" / "shard-00000.arrow"
+    subprocess.run([*cmd, "--out", str(whole)], check=True, capture_output=True)
+    out = tmp_path / "killed" / "shard-00000.arrow"
+    proc = subprocess.Popen(
+        [*cmd, "--out", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        temps = list(out.parent.glob(".shard-00000.arrow.*.tmp")) if out.parent.exists() else []
+        if temps and temps[0].stat().st_size > 0:
+            break
+        time.sleep(0.002)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert temps, "the job never started writing"
+    assert not out.exists()
+    subprocess.run([*cmd, "--out", str(out)], check=True, capture_output=True)
+    assert out.read_bytes() == whole.read_bytes()
+
+
+def test_sequences_of_another_tokenizer_are_refused(tiny_target_dir, sequences, tmp_path):
+    table = pq.read_table(sequences)
+    meta = dict(table.schema.metadata)
+    target = json.loads(meta[b"target"])
+    target["tokenizer_sha256"] = "f" * 64
+    meta[b"target"] = json.dumps(target).encode()
+    pq.write_table(table.replace_schema_metadata(meta), tmp_path / "other.parquet")
+    with pytest.raises(DataError, match="tokenizer_sha256"):
+        run(
+            _cfg(tiny_target_dir, tmp_path),
+            str(tmp_path / "other.parquet"),
+            0,
+            str(tmp_path / "o.arrow"),
+        )
+    assert not (tmp_path / "o.arrow").exists()
