@@ -38,7 +38,7 @@ SMOKE = dict(QWEN3_8B, hidden_size=64, intermediate_size=128, num_attention_head
 
 def sync() -> None:
     if torch.cuda.is_available():
-        sync()
+        torch.cuda.synchronize()
 
 
 def build(device: torch.device, shape: dict) -> Qwen3Model:
@@ -96,6 +96,7 @@ def main() -> None:
         "--runs", nargs="+", default=["bf16-zstd:3", "bf16-zstd:1", "fp8-zstd:3", "raw:3"]
     )
     ap.add_argument("--out", default="extract.json")
+    ap.add_argument("--dir", default="/tmp", help="where shards are written (local disk)")
     ap.add_argument(
         "--smoke", action="store_true", help="tiny shapes on the CPU (checks the script)"
     )
@@ -112,7 +113,7 @@ def main() -> None:
     truncate_base(model, max(LAYERS))
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     results = {"device": name, "bare_forward_tok_s": base_tok_s, "runs": {}}
-    with tempfile.TemporaryDirectory(dir="/tmp") as tmp:
+    with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         for spec in args.runs:
             codec, level = spec.split(":")
             r = extract_tok_s(model, rows, codec, int(level), Path(tmp), shape["hidden_size"])

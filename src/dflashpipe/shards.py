@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import torch
@@ -78,7 +79,26 @@ def stats_path(shard: Path) -> Path:
 
 
 def record_batch(rows: list[dict]) -> pa.RecordBatch:
-    return pa.RecordBatch.from_pylist(rows, schema=FEATURE_SCHEMA)
+    """Rows -> one record batch, building the big `hidden` column from buffers: converting
+    Python bytes objects one by one runs at ~250 MB/s under the GIL, buffers at memcpy speed
+    (zero-copy for a single row, which is how the extract writer calls it)."""
+    n = len(rows)
+    hidden = [r["hidden"] for r in rows]
+    offsets = np.zeros(n + 1, dtype=np.int64)
+    offsets[1:] = np.cumsum([len(h) for h in hidden])
+    data = pa.py_buffer(hidden[0] if n == 1 else b"".join(hidden))
+    columns = {
+        "sample_id": pa.array([r["sample_id"] for r in rows], pa.string()),
+        "input_ids": pa.array([r["input_ids"] for r in rows], pa.list_(pa.int32())),
+        "loss_mask": pa.array([r["loss_mask"] for r in rows], pa.list_(pa.uint8())),
+        "num_tokens": pa.array([r["num_tokens"] for r in rows], pa.int32()),
+        "hidden": pa.LargeBinaryArray.from_buffers(
+            pa.large_binary(), n, [None, pa.py_buffer(offsets), data]
+        ),
+        "hidden_split": pa.array([r["hidden_split"] for r in rows], pa.int64()),
+        "scales": pa.array([r["scales"] for r in rows], pa.binary()),
+    }
+    return pa.RecordBatch.from_arrays(list(columns.values()), schema=FEATURE_SCHEMA)
 
 
 def feature_row(sample_id: str, input_ids: list[int], loss_mask: list[int], enc: Encoded) -> dict:
