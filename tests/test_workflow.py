@@ -61,15 +61,16 @@ def test_style_ruff_and_snakefmt():
 
 
 @pytest.mark.slow
-def test_regenerate_on_default_config(tmp_path, smollm2_dir):
-    """`snakemake --cores 2 regenerate` on the embedded default with fewer prompts and tokens:
-    retrieve, prompts and two regenerate shards with the real SmolLM2 target, for real."""
+def test_extract_on_default_config(tmp_path, smollm2_dir):
+    """`snakemake --cores 2 extract` on the embedded default with fewer prompts and tokens:
+    retrieve, prompts, two regenerate shards and two feature shards with the real SmolLM2
+    target, then the manifest, for real."""
     raw = yaml.safe_load((REPO / "config.yaml").read_text())
     raw["prompts"]["max_train"] = 8
     raw["regenerate"].update(max_new_tokens=8, batch_size=4, save_every=4)
     config = write_yaml(tmp_path / "small.yaml", raw)
     (tmp_path / "resources").symlink_to(REPO / "resources")  # reuse the 93 MB model download
-    snakemake(tmp_path, "--cores", "2", "regenerate", "--configfile", str(config))
+    snakemake(tmp_path, "--cores", "2", "extract", "--configfile", str(config))
     shards = sorted((tmp_path / "results" / "sequences").glob("shard-*.parquet"))
     assert [p.name for p in shards] == ["shard-00000.parquet", "shard-00001.parquet"]
     import pyarrow.parquet as pq
@@ -77,7 +78,11 @@ def test_regenerate_on_default_config(tmp_path, smollm2_dir):
     rows = [r for p in shards for r in pq.read_table(p).to_pylist()]
     assert len(rows) == 8 and all(sum(r["loss_mask"]) >= 1 for r in rows)
     assert not list((tmp_path / "results" / "sequences").glob(".*parts"))
-    again = snakemake(tmp_path, "--cores", "2", "regenerate", "--configfile", str(config))
+    manifest = json.loads((tmp_path / "results" / "features" / "manifest.json").read_text())
+    assert manifest["totals"]["samples"] == 8 and manifest["layer_ids"] == [1, 14, 27]
+    assert manifest["hidden_size"] == 576 and manifest["codec"] == "bf16-zstd"
+    assert manifest["totals"]["tokens"] == sum(len(r["input_ids"]) for r in rows)
+    again = snakemake(tmp_path, "--cores", "2", "extract", "--configfile", str(config))
     assert "Nothing to be done" in again.stdout + again.stderr
 
 
