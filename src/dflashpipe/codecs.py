@@ -1,13 +1,14 @@
 """Codecs for a sample's hidden-state block, a (T, n_layers * H) bf16 tensor on the CPU.
 
 - `raw`:       the bf16 bytes.
-- `bf16-zstd`: lossless. The high bytes of bf16 (sign + exponent + 1 mantissa bit) repeat a lot,
-               the low bytes are nearly random; zstd'ing each byte plane on its own lets the
+- `bf16-zstd`: lossless. The high bytes of bf16 (sign + 7 exponent bits) repeat a lot, the
+               low bytes (last exponent bit + mantissa) are nearly random; zstd'ing each byte plane on its own lets the
                first compress well instead of being diluted by the second.
 - `fp8-zstd`:  float8 e4m3 with one float32 scale per token and layer (amax / 448), then zstd.
 
-`encode` returns the fields stored in the shard row; `decode` gives the bf16 tensor back. Both
-run in worker threads/processes and never touch CUDA (zstd and numpy release the GIL).
+`encode` = `prepare` (element-wise, on whatever device holds the block: the GPU in extract) then
+`pack` (zstd, on the CPU, in worker threads that never touch CUDA; zstd releases the GIL).
+`decode` gives the bf16 tensor back.
 """
 
 from __future__ import annotations
@@ -46,26 +47,48 @@ def _decompressor() -> zstandard.ZstdDecompressor:
     return _local.decompressor
 
 
-def encode(block: torch.Tensor, codec: str, n_layers: int, level: int = 3) -> Encoded:
-    """Encode a (T, n_layers * H) bf16 CPU tensor."""
-    if block.dtype != torch.bfloat16 or block.dim() != 2:
-        raise ValueError(f"expected a 2-D bfloat16 block, got {block.dtype} {tuple(block.shape)}")
+def prepare(block: torch.Tensor, codec: str, n_layers: int) -> tuple[torch.Tensor, ...]:
+    """The element-wise half of encoding, done wherever `block` lives (the GPU, in extract):
+    bf16 (..., n_layers * H) -> the tensors `pack` compresses. Splitting byte planes or
+    quantizing here leaves only zstd for the CPU, and fp8 halves the device-to-host copy."""
+    if block.dtype != torch.bfloat16:
+        raise ValueError(f"expected a bfloat16 block, got {block.dtype} {tuple(block.shape)}")
     if codec == "raw":
-        return Encoded(block.contiguous().view(torch.int16).numpy().tobytes())
+        return (block.view(torch.int16),)
     if codec == "bf16-zstd":
-        planes = block.contiguous().view(torch.int16).numpy().view(np.uint8).reshape(-1, 2)
-        # little endian: column 1 holds sign + exponent, column 0 the low mantissa bits
-        high = _compressor(level).compress(np.ascontiguousarray(planes[:, 1]))
-        low = _compressor(level).compress(np.ascontiguousarray(planes[:, 0]))
+        bits = block.view(torch.int16)
+        # high byte: sign + 7 exponent bits (repetitive); low byte: 1 exponent + 7 mantissa bits
+        return ((bits >> 8).to(torch.uint8), (bits & 0xFF).to(torch.uint8))
+    if codec == "fp8-zstd":
+        x = block.float().unflatten(-1, (n_layers, -1))  # (..., L, H)
+        scales = (x.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp_min(1e-12)  # (..., L, 1)
+        q = (x / scales).to(torch.float8_e4m3fn).view(torch.uint8).flatten(-2)  # (..., L*H)
+        return (q, scales.squeeze(-1))
+    raise ValueError(f"unknown codec {codec!r}; expected one of {CODECS}")
+
+
+def pack(parts: tuple[torch.Tensor, ...], codec: str, level: int = 1) -> Encoded:
+    """The compressing half of encoding, on CPU tensors from `prepare` (one sample)."""
+    z = _compressor(level)
+    if codec == "raw":
+        return Encoded(parts[0].contiguous().numpy().tobytes())
+    if codec == "bf16-zstd":
+        high = z.compress(parts[0].contiguous().numpy())
+        low = z.compress(parts[1].contiguous().numpy())
         return Encoded(high + low, split=len(high))
     if codec == "fp8-zstd":
-        T = block.shape[0]
-        x = block.float().view(T, n_layers, -1)  # (T, L, H)
-        scales = (x.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp_min(1e-12)  # (T, L, 1)
-        q = (x / scales).to(torch.float8_e4m3fn)
-        payload = _compressor(level).compress(q.view(torch.uint8).numpy().tobytes())
-        return Encoded(payload, scales=scales.squeeze(-1).numpy().tobytes())
+        return Encoded(
+            z.compress(parts[0].contiguous().numpy()),
+            scales=parts[1].contiguous().numpy().tobytes(),
+        )
     raise ValueError(f"unknown codec {codec!r}; expected one of {CODECS}")
+
+
+def encode(block: torch.Tensor, codec: str, n_layers: int, level: int = 1) -> Encoded:
+    """Encode a (T, n_layers * H) bf16 CPU tensor."""
+    if block.dim() != 2:
+        raise ValueError(f"expected a 2-D bfloat16 block, got {block.dtype} {tuple(block.shape)}")
+    return pack(prepare(block, codec, n_layers), codec, level)
 
 
 def decode(enc: Encoded, codec: str, num_tokens: int, width: int, n_layers: int) -> torch.Tensor:
@@ -76,11 +99,13 @@ def decode(enc: Encoded, codec: str, num_tokens: int, width: int, n_layers: int)
             data = np.frombuffer(enc.hidden, dtype=np.int16, count=n)
             return torch.from_numpy(data.copy()).view(torch.bfloat16).view(num_tokens, width)
         if codec == "bf16-zstd":
-            planes = np.empty((n, 2), dtype=np.uint8)
             d = _decompressor()
-            planes[:, 1] = np.frombuffer(d.decompress(enc.hidden[: enc.split]), dtype=np.uint8)
-            planes[:, 0] = np.frombuffer(d.decompress(enc.hidden[enc.split :]), dtype=np.uint8)
-            return torch.from_numpy(planes.view(np.int16).reshape(num_tokens, width)).view(
+            high = np.frombuffer(d.decompress(enc.hidden[: enc.split]), dtype=np.uint8)
+            low = np.frombuffer(d.decompress(enc.hidden[enc.split :]), dtype=np.uint8)
+            if high.size != n or low.size != n:
+                raise ValueError(f"planes hold {high.size} and {low.size} bytes, expected {n}")
+            bits = (high.astype(np.uint16) << 8) | low
+            return torch.from_numpy(bits.view(np.int16).reshape(num_tokens, width)).view(
                 torch.bfloat16
             )
         if codec == "fp8-zstd":

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from dflashpipe.codecs import encode
+from dflashpipe.codecs import pack, prepare
 from dflashpipe.config import Config
 from dflashpipe.errors import DataError
 from dflashpipe.shards import ShardInfo, feature_row, record_batch
@@ -154,14 +154,15 @@ class Extractor:
         self.codec, self.level, self.budget = ex["codec"], ex["zstd_level"], ex["token_budget"]
         self.base, self.device, self.layer_ids = base, device, layer_ids
         self.taps = LayerTaps(base, layer_ids)
+        self.width = len(layer_ids) * base.config.hidden_size
         workers = ex["encode_workers"] or max(1, min(16, (os.cpu_count() or 2) - 1))
         self.pool = ThreadPoolExecutor(workers, thread_name_prefix="encode")
         self.pinned = device.type == "cuda"
 
-    def _encode_row(self, row: dict, block: torch.Tensor) -> dict:
-        enc = encode(block, self.codec, len(self.layer_ids), self.level)
+    def _encode_row(self, row: dict, parts: tuple[torch.Tensor, ...]) -> dict:
+        enc = pack(parts, self.codec, self.level)
         out = feature_row(row["sample_id"], row["input_ids"], row["loss_mask"], enc)
-        return out | {"raw_bytes": block.numel() * 2}
+        return out | {"raw_bytes": len(row["input_ids"]) * self.width * 2}
 
     def _launch(self, rows: list[dict]):
         """Forward one batch and start its device-to-host copy; returns what the host needs."""
@@ -174,8 +175,10 @@ class Extractor:
         mask_d = mask.to(self.device, non_blocking=True)
         hidden = forward_taps(self.base, self.taps, ids.to(self.device, non_blocking=True), mask_d)
         finite = torch.isfinite(hidden).logical_or(mask_d[..., None] == 0).flatten(1).all(1)  # (B,)
-        host = torch.empty(hidden.shape, dtype=hidden.dtype, pin_memory=self.pinned)
-        host.copy_(hidden, non_blocking=True)
+        host = []
+        for part in prepare(hidden, self.codec, len(self.layer_ids)):  # planes / fp8 on the GPU
+            buf = torch.empty(part.shape, dtype=part.dtype, pin_memory=self.pinned)
+            host.append(buf.copy_(part, non_blocking=True))
         finite_host = finite.to("cpu", non_blocking=True)
         event = torch.cuda.Event() if self.pinned else None
         if event is not None:
@@ -191,7 +194,8 @@ class Extractor:
             if not bool(finite[b]):
                 stats["nan_or_inf"] += 1
                 continue
-            futures.append(self.pool.submit(self._encode_row, r, host[b, : len(r["input_ids"])]))
+            parts = tuple(h[b, : len(r["input_ids"])] for h in host)
+            futures.append(self.pool.submit(self._encode_row, r, parts))
         writer.queue.put(futures)
 
     def run(self, rows: list[dict], out: Path, info: ShardInfo, stats: Counter) -> None:
