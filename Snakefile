@@ -18,10 +18,11 @@ include: "workflow/rules/retrieve.smk"
 include: "workflow/rules/prompts.smk"
 include: "workflow/rules/regenerate.smk"
 include: "workflow/rules/extract.smk"
+include: "workflow/rules/train.smk"
 
 
 rule all:
     default_target: True
     # The furthest stage implemented so far; later stages extend this target.
     input:
-        rules.extract.input,
+        rules.train.output,

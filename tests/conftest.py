@@ -109,3 +109,42 @@ def tiny_target_dir(smollm2_dir, tmp_path_factory) -> Path:
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(out)
     return out
+
+
+@pytest.fixture(scope="session")
+def tiny_features(tiny_target_dir, tmp_path_factory) -> dict:
+    """Two real feature shards + manifest of the tiny target (24 samples of the datasets' own
+    answers, taps [0, 1]), and the config dict that made them."""
+    from dflashpipe.config import Config
+    from dflashpipe.extract import run as extract
+    from dflashpipe.prompts import Prompt, prompt_key, write_prompts
+    from dflashpipe.regenerate import run as regenerate
+    from dflashpipe.shards import build_manifest
+    from dflashpipe.storage import write_json
+
+    out = tmp_path_factory.mktemp("features")
+    answer = "Sure. " + "This is a longer answer with several words in it. " * 4
+    prompts = []
+    for i in range(24):
+        msgs = [{"role": "user", "content": f"Question {i}? " + "more words " * (i % 7)}]
+        prompts.append(
+            Prompt(prompt_key(msgs), "t", str(i), 0, msgs, answer[: 40 + 9 * i], f"f:{i}")
+        )
+    write_prompts(out / "train.parquet", prompts)
+    raw = {
+        "target": {"model": str(tiny_target_dir)},
+        "prompts": {"sources": [{"name": "x", "kind": "jsonl", "path": "unused.jsonl"}]},
+        "regenerate": {"enabled": False, "shards": 2},
+        "extract": {"max_length": 256, "token_budget": 512},
+        "drafter": {"target_layer_ids": [0, 1], "num_layers": 1, "block_size": 8},
+        "train": {"max_length": 256, "num_anchors": 16, "log_every": 2, "checkpoint_every": 4,
+                  "num_workers": 0, "epochs": 2, "lr": 3e-3},
+    }  # fmt: skip
+    cfg = Config.from_dict(raw)
+    shards = []
+    for i in range(2):
+        regenerate(cfg, str(out / "train.parquet"), i, str(out / f"seq-{i}.parquet"))
+        shards.append(out / f"shard-{i:05d}.arrow")
+        extract(cfg, str(out / f"seq-{i}.parquet"), i, str(shards[-1]))
+    write_json(out / "manifest.json", build_manifest(shards))
+    return {"dir": out, "manifest": out / "manifest.json", "shards": shards, "raw": raw}

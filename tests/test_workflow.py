@@ -61,16 +61,17 @@ def test_style_ruff_and_snakefmt():
 
 
 @pytest.mark.slow
-def test_extract_on_default_config(tmp_path, smollm2_dir):
-    """`snakemake --cores 2 extract` on the embedded default with fewer prompts and tokens:
+def test_workflow_on_default_config(tmp_path, smollm2_dir):
+    """`snakemake --cores 2` on the embedded default with fewer prompts, tokens and steps:
     retrieve, prompts, two regenerate shards and two feature shards with the real SmolLM2
-    target, then the manifest, for real."""
+    target, the manifest, and training to an exported drafter, for real."""
     raw = yaml.safe_load((REPO / "config.yaml").read_text())
     raw["prompts"]["max_train"] = 8
     raw["regenerate"].update(max_new_tokens=8, batch_size=4, save_every=4)
+    raw["train"].update(max_steps=3, log_every=1, num_workers=1)
     config = write_yaml(tmp_path / "small.yaml", raw)
     (tmp_path / "resources").symlink_to(REPO / "resources")  # reuse the 93 MB model download
-    snakemake(tmp_path, "--cores", "2", "extract", "--configfile", str(config))
+    snakemake(tmp_path, "--cores", "2", "--configfile", str(config))
     shards = sorted((tmp_path / "results" / "sequences").glob("shard-*.parquet"))
     assert [p.name for p in shards] == ["shard-00000.parquet", "shard-00001.parquet"]
     import pyarrow.parquet as pq
@@ -82,7 +83,12 @@ def test_extract_on_default_config(tmp_path, smollm2_dir):
     assert manifest["totals"]["samples"] == 8 and manifest["layer_ids"] == [1, 14, 27]
     assert manifest["hidden_size"] == 576 and manifest["codec"] == "bf16-zstd"
     assert manifest["totals"]["tokens"] == sum(len(r["input_ids"]) for r in rows)
-    again = snakemake(tmp_path, "--cores", "2", "extract", "--configfile", str(config))
+    drafter = json.loads((tmp_path / "results" / "drafter" / "config.json").read_text())
+    assert drafter["dflash_config"]["target_layer_ids"] == [1, 14, 27]
+    metrics = (tmp_path / "results" / "train" / "metrics.jsonl").read_text().splitlines()
+    steps = [json.loads(m)["step"] for m in metrics]
+    assert steps == list(range(1, len(steps) + 1)) and 1 <= len(steps) <= 3  # max_steps 3
+    again = snakemake(tmp_path, "--cores", "2", "--configfile", str(config))
     assert "Nothing to be done" in again.stdout + again.stderr
 
 

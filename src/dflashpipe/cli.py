@@ -73,6 +73,12 @@ def cmd_manifest(args: argparse.Namespace) -> None:
     write_json(args.out, build_manifest([Path(p) for p in args.shards]))
 
 
+def cmd_train(args: argparse.Namespace) -> None:
+    from dflashpipe.train import launch
+
+    launch(args.config, args.manifest, args.run_dir, args.drafter, args.metrics)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dflashpipe", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -114,6 +120,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--out", required=True, help="output shard-XXXXX.arrow (+ .stats.json beside it)"
     )
+
+    p = add("train", cmd_train, "stage 4: train the drafter on devices.train (torchrun)")
+    p.add_argument("--manifest", required=True, help="results/features/manifest.json")
+    p.add_argument("--run-dir", required=True, help="checkpoints + metrics (resumed automatically)")
+    p.add_argument(
+        "--drafter", required=True, help="export directory (config.json + model.safetensors)"
+    )
+    p.add_argument("--metrics", required=True, help="output metrics.jsonl")
 
     p = add("manifest", cmd_manifest, "gather feature shards into manifest.json")
     p.add_argument("--shards", required=True, nargs="+", help="feature shards")

@@ -1,0 +1,74 @@
+"""Training checkpoints: model, optimizer, scheduler, RNG states, data position, step.
+
+Each checkpoint is a directory `step-XXXXXXXX/` under the run directory, written under a
+temporary name and renamed when complete, so a directory with the final name is always whole.
+The run directory is not a Snakemake output: a failed job does not delete it, and the next
+attempt resumes from the newest checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dflashpipe.errors import DataError
+
+log = logging.getLogger(__name__)
+PREFIX = "step-"
+
+
+def rng_state() -> dict:
+    state = {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def save(run_dir: Path, step: int, state: dict, fingerprint: dict, keep: int) -> Path:
+    """Write checkpoint `step` (state: model/optimizer/scheduler/data/... as torch objects)."""
+    final = run_dir / f"{PREFIX}{step:08d}"
+    tmp = run_dir / f".{final.name}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    torch.save({**state, "rng": rng_state(), "step": step}, tmp / "state.pt")
+    (tmp / "fingerprint.json").write_text(json.dumps(fingerprint, indent=2, sort_keys=True))
+    shutil.rmtree(final, ignore_errors=True)
+    tmp.rename(final)
+    for old in sorted(run_dir.glob(f"{PREFIX}*"))[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def latest(run_dir: Path) -> Path | None:
+    done = sorted(p for p in run_dir.glob(f"{PREFIX}*") if (p / "state.pt").is_file())
+    return done[-1] if done else None
+
+
+def load(path: Path, fingerprint: dict) -> dict:
+    """The state of checkpoint `path`, refused when it was made for another drafter or data."""
+    saved = json.loads((path / "fingerprint.json").read_text())
+    for key, want in fingerprint.items():
+        if saved.get(key) != want:
+            raise DataError(
+                f"checkpoint {path} was made with {key}={saved.get(key)!r}, but this run has "
+                f"{key}={want!r}; move {path.parent} away to start afresh"
+            )
+    return torch.load(path / "state.pt", map_location="cpu", weights_only=False)

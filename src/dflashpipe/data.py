@@ -1,0 +1,136 @@
+"""Training data: feature shards -> packed micro-batches of fixed shape.
+
+    shards (memory-mapped) ─► per-epoch plan: seeded shuffle, pack into `tokens` budget bins,
+    bins dealt round-robin to ranks (equal count per rank) ─► DataLoader workers decode and
+    pack one bin each ─► pinned tensors, prefetched
+
+Every micro-batch has the same shapes: `tokens` stream positions (padding has document id -1)
+and `anchors` anchor slots with a keep mask, so a compiled step never recompiles. The plan is a
+pure function of (seed, epoch, lengths, rank, world size), so a run resumes mid-epoch from
+(epoch, micro-batch index) alone.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow.compute as pc
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from dflashpipe.anchors import sample_anchors
+from dflashpipe.errors import DataError
+from dflashpipe.shards import FeatureShard
+
+MAX_DOCS = 256
+
+
+@dataclass
+class Sample:
+    shard: int
+    row: int
+    length: int  # tokens used (a longer sequence is cut to the micro-batch budget)
+
+
+def index_samples(shard_paths: list[Path], tokens: int, stats: dict) -> list[Sample]:
+    """Every usable sample of the shards, from column data only (nothing is decoded)."""
+    samples = []
+    for s, path in enumerate(shard_paths):
+        shard = FeatureShard(path)
+        lengths = shard.table.column("num_tokens").to_numpy()
+        masks = shard.table.column("loss_mask").combine_chunks()
+        flat = pc.list_flatten(masks).to_numpy(zero_copy_only=False).astype(np.int64)
+        offsets = masks.offsets.to_numpy()
+        for row, n in enumerate(lengths.tolist()):
+            n_used = min(n, tokens)
+            if flat[offsets[row] : offsets[row] + n_used].sum() < 2:  # no anchor with a label
+                stats["no_supervised_tokens"] = stats.get("no_supervised_tokens", 0) + 1
+                continue
+            samples.append(Sample(s, row, n_used))
+    if not samples:
+        raise DataError(f"no trainable samples in {[str(p) for p in shard_paths]}")
+    return samples
+
+
+def epoch_plan(
+    samples: list[Sample], tokens: int, seed: int, epoch: int, rank: int, world: int
+) -> list[list[int]]:
+    """This rank's micro-batches (lists of sample indices) for one epoch."""
+    order = list(range(len(samples)))
+    random.Random(f"{seed}/{epoch}").shuffle(order)
+    bins: list[list[int]] = []
+    used = tokens
+    for i in order:  # sequential fill keeps the shuffle; bins are nearly full at these sizes
+        if used + samples[i].length > tokens:
+            bins.append([])
+            used = 0
+        bins[-1].append(i)
+        used += samples[i].length
+    per_rank = len(bins) // world  # equal step counts on every rank (DDP needs it)
+    if per_rank == 0:
+        raise DataError(f"{len(bins)} micro-batches of {tokens} tokens cannot feed {world} ranks")
+    return bins[rank::world][:per_rank]
+
+
+class PackedBatches(Dataset):
+    """Map-style: item k = micro-batch k of this rank's plan, decoded and packed (in workers)."""
+
+    def __init__(self, shard_paths: list[Path], samples: list[Sample], plan: list[list[int]],
+                 tokens: int, anchors: int, seed: int, epoch: int):  # fmt: skip
+        self.paths, self.samples, self.plan = shard_paths, samples, plan
+        self.tokens, self.anchors, self.seed, self.epoch = tokens, anchors, seed, epoch
+        self._shards: dict[int, FeatureShard] = {}  # opened lazily, once per worker process
+
+    def __len__(self) -> int:
+        return len(self.plan)
+
+    def _shard(self, s: int) -> FeatureShard:
+        if s not in self._shards:
+            self._shards[s] = FeatureShard(self.paths[s])
+        return self._shards[s]
+
+    def __getitem__(self, k: int) -> dict[str, torch.Tensor]:
+        T = self.tokens
+        ids = torch.zeros(T, dtype=torch.long)
+        pos = torch.zeros(T, dtype=torch.long)
+        docs = torch.full((T,), -1, dtype=torch.long)
+        mask = torch.zeros(T, dtype=torch.long)
+        hidden = None
+        names, at = [], 0
+        for d, i in enumerate(self.plan[k]):
+            sample = self.samples[i]
+            row = self._shard(sample.shard).sample(sample.row)
+            n = sample.length
+            if hidden is None:
+                hidden = torch.zeros(T, row["hidden"].shape[1], dtype=torch.bfloat16)
+            ids[at : at + n] = row["input_ids"][:n]
+            mask[at : at + n] = row["loss_mask"][:n]
+            hidden[at : at + n] = row["hidden"][:n]
+            pos[at : at + n] = torch.arange(n)
+            docs[at : at + n] = d
+            names.append(row["sample_id"])
+            at += n
+        anchors, keep = sample_anchors(mask, docs, names, num_anchors=self.anchors,
+                                       budget=self.anchors, seed=self.seed, epoch=self.epoch)  # fmt: skip
+        # which samples are in the pack (fixed length, for naming them if the loss turns NaN)
+        sample_index = torch.full((MAX_DOCS,), -1, dtype=torch.long)
+        sample_index[: min(MAX_DOCS, len(self.plan[k]))] = torch.tensor(self.plan[k][:MAX_DOCS])
+        return {"input_ids": ids, "position_ids": pos, "document_ids": docs, "loss_mask": mask,
+                "target_hidden": hidden, "anchors": anchors, "keep": keep,
+                "sample_index": sample_index}  # fmt: skip
+
+
+def make_loader(dataset: PackedBatches, start: int, workers: int, pin: bool) -> DataLoader:
+    """Batches from micro-batch `start` on (resume), decoded in `workers` processes."""
+    indices = list(range(start, len(dataset)))
+    return DataLoader(
+        torch.utils.data.Subset(dataset, indices),
+        batch_size=None,
+        num_workers=workers,
+        pin_memory=pin,
+        prefetch_factor=4 if workers else None,
+        persistent_workers=False,
+    )

@@ -1,0 +1,445 @@
+"""Stage 4, train: the DFlash drafter from feature shards, one process per device (torchrun).
+
+    manifest check ─► drafter sized like the target (its embedding + LM head, frozen)
+      ─► per epoch: packed micro-batches (data.py) ─► forward (flex / SDPA masks) ─► weighted CE
+      ─► backward (DDP, accumulation) ─► clip ─► AdamW ─► warmup+cosine
+      ─► every log_every: reduce metrics, JSONL (+ TensorBoard) ─► every checkpoint_every: save
+      ─► export results/drafter/ (rank 0)
+
+Launched by `python -m dflashpipe train`, which picks the devices and runs torchrun; gloo and
+CPU processes when there is no GPU. Nothing in the step reads a value back to the host: loss
+and metrics are accumulated on the device and read only at log intervals.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import shutil
+import subprocess
+import sys
+import time
+from contextlib import ExitStack
+from pathlib import Path
+
+import numpy as np
+import pyarrow.compute as pc
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from tqdm import tqdm
+
+from dflashpipe import checkpoint
+from dflashpipe.config import Config, load_config
+from dflashpipe.data import PackedBatches, epoch_plan, index_samples, make_loader
+from dflashpipe.errors import DataError, DflashpipeError
+from dflashpipe.export import save_drafter
+from dflashpipe.loss import block_labels, default_gamma, dflash_loss
+from dflashpipe.model import Drafter, DrafterConfig
+from dflashpipe.shards import FeatureShard, check_manifest, verify_shard
+from dflashpipe.storage import atomic_path, write_json
+
+log = logging.getLogger("dflashpipe.train")
+PEAK_TFLOPS_BF16 = {"H200": 989.0, "H100": 989.0, "A100": 312.0}
+
+
+def choose_mask_token(tok, shard_paths: list[Path]) -> int:
+    """A special token of the target's vocabulary that never occurs in the training data."""
+    used: set[int] = set()
+    for path in shard_paths:
+        ids = pc.list_flatten(FeatureShard(path).table.column("input_ids").combine_chunks())
+        used.update(np.unique(ids.to_numpy()).tolist())
+    core = {tok.eos_token_id, tok.bos_token_id, tok.pad_token_id, tok.unk_token_id}
+    for token_id in sorted(tok.added_tokens_decoder):
+        if token_id not in used and token_id not in core:
+            return token_id
+    raise DataError(
+        "no special token of the target is unused by the data; set drafter.mask_token_id"
+    )
+
+
+def step_flops(
+    cfg: DrafterConfig, tokens: int, n_taps: int, anchors_pos: torch.Tensor
+) -> torch.Tensor:
+    """Training FLOPs of one micro-batch (a device tensor: no sync). Counted: drafter layer
+    matmuls on block tokens, k/v projections on context + block tokens, fc on context tokens,
+    attention over the keys each query sees, LM head forward + input gradient. Trainable
+    matmuls count 3x their forward (input and weight gradients), fc 2x (its input is data),
+    the frozen LM head 2x. anchors_pos: (A,) in-document position of kept anchors, -1 if dropped."""
+    H, B, V, ff = cfg.hidden_size, cfg.block_size, cfg.vocab_size, cfg.intermediate_size
+    q_dim, kv_dim = (
+        cfg.num_attention_heads * cfg.head_dim,
+        2 * cfg.num_key_value_heads * cfg.head_dim,
+    )
+    kept = (anchors_pos >= 0).sum()
+    Q = kept * B
+    per_layer = (
+        2 * Q * H * q_dim + 2 * (tokens + Q) * H * kv_dim + 2 * Q * q_dim * H + 6 * Q * H * ff
+    )
+    keys = B * (anchors_pos.clamp_min(0) + B).sum()  # context before the anchor + own block
+    attention = 4 * q_dim * keys
+    fc = 2 * tokens * n_taps * H * H
+    head = 2 * kept * (B - 1) * H * V
+    return 3 * cfg.num_layers * (per_layer + attention) + 2 * fc + 2 * head
+
+
+class Trainer:
+    def __init__(self, cfg: Config, manifest_path: Path, run_dir: Path, device: torch.device):
+        self.cfg, self.tc, self.device, self.run_dir = cfg, cfg.section("train"), device, run_dir
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.world = dist.get_world_size() if dist.is_initialized() else 1
+        self.manifest = json.loads(Path(manifest_path).read_text())
+        self.shards = [Path(s["path"]) for s in self.manifest["shards"]]
+        self.tokens = self.tc["micro_batch_tokens"] or self.tc["max_length"]
+        self._build_model()
+        self.stats: dict = {}
+        self.samples = index_samples(self.shards, self.tokens, self.stats)
+        self.per_epoch = len(
+            epoch_plan(self.samples, self.tokens, self.tc["seed"], 0, self.rank, self.world)
+        )
+        self.accum = max(1, (self.tc["tokens_per_step"] or 0) // (self.tokens * self.world))
+        self.total_micro = math.ceil(self.tc["epochs"] * self.per_epoch)
+        self.total_steps = max(1, self.total_micro // self.accum)
+        if self.tc["max_steps"]:
+            self.total_steps = min(self.total_steps, self.tc["max_steps"])
+        self._build_optimizer()
+        self.step, self.epoch, self.micro = 0, 0, 0
+        self._resume()
+
+    def _build_model(self) -> None:
+        from dflashpipe.target import load_target, target_identity
+
+        target, tok = load_target(self.cfg.target, torch.device("cpu"))
+        identity = json.loads(target_identity(self.cfg.target, tok).to_json())
+        tc = target.config.get_text_config()
+        check_manifest(self.manifest, {"target.tokenizer_sha256": identity["tokenizer_sha256"],
+                                       "target.weights_sha256": identity["weights_sha256"],
+                                       "hidden_size": tc.hidden_size})  # fmt: skip
+        d = self.cfg.section("drafter")
+        if d["target_layer_ids"] is not None:
+            check_manifest(self.manifest, {"layer_ids": d["target_layer_ids"]})
+        for path in self.shards:
+            verify_shard(path, self.manifest)
+        mask_id = (
+            d["mask_token_id"]
+            if d["mask_token_id"] is not None
+            else choose_mask_token(tok, self.shards)
+        )
+        self.dcfg = DrafterConfig.from_target(
+            target.config, mask_token_id=mask_id, num_layers=d["num_layers"], block_size=d["block_size"],
+            target_layer_ids=self.manifest["layer_ids"], sliding_window=d["sliding_window"],
+        )  # fmt: skip
+        torch.manual_seed(self.tc["seed"])
+        drafter = Drafter.from_target_model(self.dcfg, target).to(self.device)
+        del target
+        if self.device.type == "cuda" and self.tc["compile"]:
+            for layer in drafter.layers:  # per layer: every layer kind compiles once
+                layer.compile()
+        self.drafter = drafter
+        self.model = (
+            DDP(drafter, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+            if self.world > 1
+            else drafter
+        )
+        self.gamma = self.tc["gamma"] or default_gamma(self.dcfg.block_size)
+        self.fingerprint = {f"drafter.{k}": v for k, v in vars(self.dcfg).items()}
+        self.fingerprint.update(
+            world=self.world, micro_batch_tokens=self.tokens, num_anchors=self.tc["num_anchors"]
+        )
+
+    def _build_optimizer(self) -> None:
+        params = [p for p in self.drafter.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(params, lr=self.tc["lr"], weight_decay=self.tc["weight_decay"],
+                                           betas=(0.9, 0.95), fused=self.device.type == "cuda")  # fmt: skip
+        warmup = max(1, round(self.tc["warmup_ratio"] * self.total_steps))
+
+        def schedule(step: int) -> float:
+            if step < warmup:
+                return (step + 1) / warmup
+            progress = (step - warmup) / max(1, self.total_steps - warmup)
+            return 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, schedule)
+
+    def state_dict(self) -> dict:
+        return {"model": self.drafter.trainable_state_dict(), "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(), "data": {"epoch": self.epoch, "micro": self.micro}}  # fmt: skip
+
+    def _resume(self) -> None:
+        path = checkpoint.latest(self.run_dir)
+        if path is None:
+            return
+        state = checkpoint.load(path, self.fingerprint)
+        self.drafter.load_state_dict(state["model"], strict=False)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        checkpoint.set_rng_state(state["rng"])
+        self.step, self.epoch, self.micro = (
+            state["step"],
+            state["data"]["epoch"],
+            state["data"]["micro"],
+        )
+        if self.rank == 0:
+            log.info(
+                "resumed from %s (step %d, epoch %d, micro-batch %d)",
+                path,
+                self.step,
+                self.epoch,
+                self.micro,
+            )
+
+    def micro_step(self, batch: dict, sync: bool) -> tuple[torch.Tensor, dict]:
+        b = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+        autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.device.type == "cuda")
+        ctx = self.model.no_sync() if (self.world > 1 and not sync) else _nullcontext()
+        with ctx:
+            with autocast:
+                out = self.model(b["input_ids"], b["target_hidden"], b["position_ids"], b["document_ids"],
+                                 b["anchors"], b["keep"])  # fmt: skip  # (A, B, H)
+            labels, valid = block_labels(b["input_ids"], b["document_ids"], b["loss_mask"], b["anchors"],
+                                         b["keep"], self.dcfg.block_size)  # fmt: skip
+            loss, metrics = dflash_loss(
+                out.float(), self.drafter.lm_head.weight.float(), labels, valid, self.gamma
+            )
+            (loss / self.accum).backward()
+        anchors_pos = torch.where(b["keep"], b["position_ids"][b["anchors"]], -1)
+        metrics["flops"] = step_flops(
+            self.dcfg, self.tokens, len(self.dcfg.target_layer_ids), anchors_pos
+        )
+        metrics["sample_index"] = b["sample_index"]
+        return loss.detach(), metrics
+
+    def train(self) -> None:
+        logger = MetricsLog(self, self.tc["log_every"])
+        done = self.step >= self.total_steps
+        while not done:
+            plan = epoch_plan(
+                self.samples, self.tokens, self.tc["seed"], self.epoch, self.rank, self.world
+            )
+            dataset = PackedBatches(self.shards, self.samples, plan, self.tokens, self.tc["num_anchors"],
+                                    self.tc["seed"], self.epoch)  # fmt: skip
+            loader = make_loader(
+                dataset, self.micro, self.tc["num_workers"], self.device.type == "cuda"
+            )
+            for batch in loader:
+                sync = (self.micro + 1) % self.accum == 0
+                loss, metrics = self.micro_step(batch, sync)
+                logger.add(loss, metrics)
+                self.micro += 1
+                if not sync:
+                    continue
+                torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.tc["grad_clip"])
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
+                self.scheduler.step()
+                self.step += 1
+                logger.maybe_write(self.step)
+                if self.step % self.tc["checkpoint_every"] == 0 or self.step >= self.total_steps:
+                    logger.check_finite(self.step)
+                    self.save()
+                if self.step >= self.total_steps:
+                    done = True
+                    break
+            if not done:
+                self.epoch, self.micro = self.epoch + 1, 0
+        logger.close()
+
+    def save(self) -> None:
+        if self.rank == 0:
+            checkpoint.save(
+                self.run_dir,
+                self.step,
+                self.state_dict(),
+                self.fingerprint,
+                self.tc["keep_checkpoints"],
+            )
+        if self.world > 1:
+            dist.barrier()
+
+
+class MetricsLog:
+    """Device-side sums of loss and slot metrics, reduced across ranks and written (JSONL, rank 0
+    progress bar, TensorBoard if installed) every `every` optimizer steps."""
+
+    def __init__(self, trainer: Trainer, every: int):
+        self.t, self.every = trainer, every
+        self.path = trainer.run_dir / "metrics.jsonl"  # beside the checkpoints: survives retries
+        if trainer.rank == 0:
+            _truncate_metrics(self.path, trainer.step)
+        self.bar = tqdm(
+            total=trainer.total_steps, initial=trainer.step, desc="train", disable=trainer.rank != 0
+        )
+        self.tb = (
+            _tensorboard(trainer.run_dir.parent / "tensorboard") if trainer.rank == 0 else None
+        )
+        self._reset()
+        self.start = time.perf_counter()
+        self.bad_samples: torch.Tensor | None = None
+
+    def _reset(self) -> None:
+        dev, B = self.t.device, self.t.dcfg.block_size
+        self.loss = torch.zeros((), device=dev)
+        self.correct = torch.zeros(B - 1, device=dev)
+        self.labels = torch.zeros(B - 1, device=dev)
+        self.flops = torch.zeros((), device=dev, dtype=torch.float64)
+        self.n = 0
+
+    def add(self, loss: torch.Tensor, m: dict) -> None:
+        self.loss += loss
+        self.correct += m["slot_accuracy"] * m["slot_labels"]
+        self.labels += m["slot_labels"]
+        self.flops += m["flops"].double()
+        self.n += 1
+        if self.bad_samples is None:
+            self.bad_samples = torch.full_like(m["sample_index"], -1)
+        bad = ~torch.isfinite(loss) & (self.bad_samples[0] < 0)  # keep the first NaN pack
+        self.bad_samples = torch.where(bad, m["sample_index"], self.bad_samples)
+
+    def check_finite(self, step: int) -> None:
+        if self.bad_samples is not None and int(self.bad_samples[0]) >= 0:
+            ids = [self.t.samples[i] for i in self.bad_samples.tolist() if i >= 0]
+            raise FloatingPointError(
+                f"non-finite loss before step {step}; samples (shard, row): "
+                f"{[(self.t.shards[s.shard].name, s.row) for s in ids]}; the last good checkpoint is kept"
+            )
+
+    def maybe_write(self, step: int) -> None:
+        self.bar.update(1)
+        if step % self.every and step < self.t.total_steps:
+            return
+        self.check_finite(step)
+        vec = torch.cat([self.loss[None], self.correct, self.labels, self.flops.float()[None]])
+        if self.t.world > 1:
+            dist.all_reduce(vec)
+        elapsed = time.perf_counter() - self.start
+        B = self.t.dcfg.block_size
+        acc = (vec[1:B] / vec[B : 2 * B - 1].clamp_min(1)).tolist()
+        row = {"step": step, "epoch": self.t.epoch, "loss": vec[0].item() / (self.n * self.t.world),
+               "slot_accuracy": [round(a, 4) for a in acc], "expected_acceptance": 1 + sum(np.cumprod(acc)),
+               "lr": self.t.scheduler.get_last_lr()[0],
+               "tokens_per_s": self.n * self.t.tokens * self.t.world / elapsed}  # fmt: skip
+        peak = _peak_flops(self.t.device)
+        if peak:
+            row["mfu"] = vec[-1].item() / elapsed / (peak * self.t.world)
+        if self.t.rank == 0:
+            with open(self.path, "a") as f:
+                f.write(json.dumps(row) + "\n")
+            self.bar.set_postfix(loss=f"{row['loss']:.3f}", tau=f"{row['expected_acceptance']:.2f}",
+                                 tok_s=f"{row['tokens_per_s']:.0f}", **({"mfu": f"{row['mfu']:.2f}"} if peak else {}))  # fmt: skip
+            if self.tb is not None:
+                for k in ("loss", "expected_acceptance", "tokens_per_s", "lr"):
+                    self.tb.add_scalar(k, row[k], step)
+        self._reset()
+        self.start = time.perf_counter()
+
+    def close(self) -> None:
+        self.bar.close()
+        if self.tb is not None:
+            self.tb.close()
+
+
+def _truncate_metrics(path: Path, step: int) -> None:
+    """Keep the rows up to the step training resumes from (none for a fresh run): rows logged
+    after the last checkpoint of a killed run are logged again, so the curve has no repeats."""
+    if not path.is_file():
+        return
+    rows = [line for line in path.read_text().splitlines() if json.loads(line)["step"] <= step]
+    path.write_text("".join(r + "\n" for r in rows))
+
+
+def _peak_flops(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v * 1e12 for k, v in PEAK_TFLOPS_BF16.items() if k in name), None)
+
+
+def _tensorboard(path: Path):
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        log.info("tensorboard is not installed; metrics go to metrics.jsonl only")
+        return None
+    return SummaryWriter(str(path))
+
+
+class _nullcontext:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of one torchrun process."""
+    ap = argparse.ArgumentParser(prog="dflashpipe.train")
+    ap.add_argument("--config", required=True)
+    ap.add_argument("--manifest", required=True)
+    ap.add_argument("--run-dir", required=True)
+    ap.add_argument("--drafter", required=True, help="export directory")
+    ap.add_argument("--metrics", required=True, help="metrics.jsonl copied here at the end")
+    args = ap.parse_args(argv)
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    cfg = load_config(args.config)
+    use_cuda = torch.cuda.is_available() and os.environ.get("DFLASHPIPE_DEVICE", "") != "cpu"
+    if "WORLD_SIZE" in os.environ:
+        dist.init_process_group("nccl" if use_cuda else "gloo")
+    local = int(os.environ.get("LOCAL_RANK", 0))
+    device = torch.device("cuda", local) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    torch.set_num_threads(
+        max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    )
+    run_dir = Path(args.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    trainer = Trainer(cfg, Path(args.manifest), run_dir, device)
+    trainer.train()
+    if trainer.rank == 0:
+        save_drafter(trainer.drafter, args.drafter, dtype=torch.bfloat16)
+        with atomic_path(args.metrics) as tmp:
+            shutil.copyfile(run_dir / "metrics.jsonl", tmp)
+        write_json(run_dir / "summary.json", {"steps": trainer.step, "skipped": trainer.stats})
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def launch(config_path: str, manifest: str, run_dir: str, drafter: str, metrics: str) -> None:
+    """Run torchrun with one process per `devices.train` GPU (held by leases for the whole run),
+    or `train.cpu_processes` gloo processes when there is no GPU."""
+    from dflashpipe.devices import resolve_devices, scheduler_assigned, visible_gpus
+    from dflashpipe.leases import lease_device
+
+    cfg = load_config(config_path)
+    env = dict(os.environ)
+    with ExitStack() as leases:
+        if scheduler_assigned():
+            nproc = len(env["CUDA_VISIBLE_DEVICES"].split(","))
+        else:
+            devices = resolve_devices(cfg.devices.train, visible_gpus(), "devices.train")
+            for d in devices:
+                leases.enter_context(lease_device([d], d))
+            nproc = len(devices) or cfg.section("train")["cpu_processes"]
+            if devices:
+                env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, devices))
+            else:
+                env["DFLASHPIPE_DEVICE"] = "cpu"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+               "-m", "dflashpipe.train", "--config", config_path, "--manifest", manifest,
+               "--run-dir", run_dir, "--drafter", drafter, "--metrics", metrics]  # fmt: skip
+        log.info("launching %s", " ".join(cmd))
+        done = subprocess.run(cmd, env=env)
+    if done.returncode != 0:
+        raise DflashpipeError(
+            f"training failed (torchrun exit {done.returncode}); see the log above"
+        )
+
+
+if __name__ == "__main__":
+    main()

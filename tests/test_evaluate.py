@@ -1,0 +1,165 @@
+"""Evaluate stage: metrics.json from real decoding, and refusals before any decoding."""
+
+import json
+
+import pytest
+import torch
+from transformers import AutoConfig
+
+from dflashpipe.config import TargetConfig
+from dflashpipe.errors import ConfigError, DataError
+from dflashpipe.evaluate import EvaluateConfig, check_fit, read_eval_prompts, run
+from dflashpipe.export import save_drafter
+from dflashpipe.model import Drafter, DrafterConfig
+from dflashpipe.prompts import Prompt, prompt_key, write_prompts
+
+BLOCK = 4
+
+
+def _prompt(source: str, text: str) -> Prompt:
+    messages = [{"role": "user", "content": text}]
+    return Prompt(prompt_key(messages), source, text[:8], 0, messages, None, f"{source}:x")
+
+
+def _export(target_config, path, **overrides):
+    kw = dict(mask_token_id=0, num_layers=1, block_size=BLOCK, target_layer_ids=[0, 1])
+    config = DrafterConfig.from_target(target_config, **(kw | overrides))
+    V, H = config.vocab_size, config.hidden_size
+    torch.manual_seed(0)
+    save_drafter(Drafter(config, torch.randn(V, H), torch.randn(V, H)), path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def target_config(tiny_target_dir):
+    return AutoConfig.from_pretrained(tiny_target_dir, local_files_only=True)
+
+
+@pytest.fixture
+def eval_table(tmp_path):
+    prompts = [
+        _prompt("sharegpt", "Tell me about the moon."),
+        _prompt("sharegpt", "How do I bake bread?"),
+        _prompt("humaneval", "def add(a, b):\n    '''Add two numbers.'''\n"),
+        _prompt("humaneval", "word " * 2100),  # longer than the tiny target's 2048 positions
+    ]
+    write_prompts(tmp_path / "eval.parquet", prompts)
+    return tmp_path / "eval.parquet"
+
+
+def test_metrics_json(tiny_target_dir, target_config, eval_table, tmp_path):
+    drafter_dir = _export(target_config, tmp_path / "drafter")
+    out = tmp_path / "eval" / "metrics.json"
+    ev = EvaluateConfig(num_prompts=10, max_new_tokens=10, prompt_lookup_num_tokens=3)
+    metrics = run(TargetConfig(model=str(tiny_target_dir)), drafter_dir, eval_table, out, ev, "cpu")
+    assert json.loads(out.read_text()) == json.loads(json.dumps(metrics))
+    for key in (
+        "acceptance_length",
+        "per_source",
+        "histogram",
+        "per_position_acceptance",
+        "lossless_fraction",
+        "bf16_agreement",
+        "speedup",
+        "baseline",
+    ):
+        assert key in metrics, key
+    assert metrics["lossless_fraction"] == 1.0 and metrics["first_divergence"] is None
+    assert metrics["bf16_agreement"] is None  # float32 on CPU: nothing to compare
+    assert metrics["num_prompts"] == 3 and metrics["skipped"]["prompt_too_long"] == 1
+    assert set(metrics["per_source"]) == {"sharegpt", "humaneval"}
+    assert 1.0 <= metrics["acceptance_length"] <= BLOCK
+    assert list(metrics["histogram"]) == ["1", "2", "3", "4"]
+    assert sum(metrics["histogram"].values()) == metrics["verify_steps"] > 0
+    assert len(metrics["per_position_acceptance"]) == BLOCK - 1
+    assert metrics["speedup"] > 0 and metrics["tokens_per_s"]["target_only"] > 0
+    lookup = metrics["baseline"]["prompt_lookup"]
+    assert lookup["acceptance_length"] >= 1.0 and lookup["tokens_per_s"] > 0
+    assert len(lookup["per_position_acceptance"]) == 3
+    assert lookup["identical_to_target_fraction"] == 1.0
+    assert [r["lossless"] for r in metrics["responses"]] == [True] * 3
+
+
+def test_bf16_run_reports_agreement_and_checks_losslessness_in_float32(
+    tiny_target_dir, target_config, eval_table, tmp_path
+):
+    """The GPU path (bf16 run, then float32 for the lossless check), here on the CPU."""
+    drafter_dir = _export(target_config, tmp_path / "drafter")
+    target = TargetConfig(model=str(tiny_target_dir), dtype="bfloat16")
+    ev = EvaluateConfig(num_prompts=1, max_new_tokens=6)
+    metrics = run(target, drafter_dir, eval_table, tmp_path / "m.json", ev, "cpu")
+    assert metrics["run_dtype"] == "bfloat16"
+    assert 0.0 <= metrics["bf16_agreement"] <= 1.0
+    assert metrics["lossless_fraction"] == 1.0
+
+
+@pytest.mark.parametrize(
+    "overrides, field, values",
+    [
+        ({"num_hidden_layers": 8}, "num_target_layers", ("8", "2")),
+        ({"num_hidden_layers": 8, "target_layer_ids": [1, 5]}, "target_layer_ids", ("[1, 5]", "2")),
+        ({"hidden_size": 32}, "hidden_size", ("32", "64")),
+        ({"vocab_size": 1000}, "vocab_size", ("1000", "vocab_size is 1000 in the drafter but")),
+    ],
+)
+def test_a_drafter_for_another_target_is_refused_before_decoding(
+    tiny_target_dir, target_config, eval_table, tmp_path, overrides, field, values
+):
+    other = target_config.to_dict() | {
+        k: v for k, v in overrides.items() if k != "target_layer_ids"
+    }
+    other = type(target_config).from_dict(other)
+    ids = {"target_layer_ids": overrides.get("target_layer_ids", [0, 1])}
+    drafter_dir = _export(other, tmp_path / "drafter", **ids)
+    out = tmp_path / "metrics.json"
+    with pytest.raises(DataError, match=field) as err:
+        run(
+            TargetConfig(model=str(tiny_target_dir)),
+            drafter_dir,
+            eval_table,
+            out,
+            EvaluateConfig(num_prompts=1),
+            "cpu",
+        )
+    assert all(v in str(err.value) for v in values), str(err.value)
+    assert "config.json" in str(err.value) and not out.exists()
+
+
+def test_check_fit_accepts_the_drafters_own_target(target_config):
+    config = DrafterConfig.from_target(target_config, mask_token_id=0, target_layer_ids=[0, 1])
+    check_fit(config, target_config, "drafter")
+
+
+def test_empty_eval_set_is_an_error(tmp_path):
+    write_prompts(tmp_path / "eval.parquet", [])
+    with pytest.raises(DataError, match="holds no prompts"):
+        read_eval_prompts(tmp_path / "eval.parquet", 4)
+    with pytest.raises(DataError, match="not found"):
+        read_eval_prompts(tmp_path / "missing.parquet", 4)
+
+
+def test_prompts_are_taken_round_robin_over_sources(tmp_path):
+    prompts = [_prompt("a", f"question a{i}") for i in range(4)] + [_prompt("b", "question b0")]
+    write_prompts(tmp_path / "eval.parquet", prompts)
+    picked = read_eval_prompts(tmp_path / "eval.parquet", 3)
+    assert [r["source"] for r in picked] == ["a", "b", "a"]
+    assert len(read_eval_prompts(tmp_path / "eval.parquet", 99)) == 5
+
+
+def test_only_too_long_prompts_is_an_error(tiny_target_dir, target_config, tmp_path):
+    write_prompts(tmp_path / "eval.parquet", [_prompt("x", "word " * 2100)])
+    drafter_dir = _export(target_config, tmp_path / "drafter")
+    with pytest.raises(DataError, match="prompt_too_long"):
+        run(
+            TargetConfig(model=str(tiny_target_dir)),
+            drafter_dir,
+            tmp_path / "eval.parquet",
+            tmp_path / "m.json",
+            EvaluateConfig(num_prompts=2),
+            "cpu",
+        )
+
+
+def test_settings_are_validated():
+    with pytest.raises(ConfigError, match="max_new_tokens"):
+        EvaluateConfig(max_new_tokens=0)

@@ -1,0 +1,100 @@
+"""The train stage on CPU through torchrun (gloo): export, resume after a kill, refusals."""
+
+import json
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+import torch
+from conftest import write_yaml
+
+from dflashpipe.config import Config
+from dflashpipe.errors import DataError
+from dflashpipe.export import load_drafter
+from dflashpipe.train import Trainer, launch
+
+
+def _train(tmp_path, tiny_features, name, **train):
+    raw = json.loads(json.dumps(tiny_features["raw"]))
+    raw["train"].update(train)
+    config = write_yaml(tmp_path / f"{name}.yaml", raw)
+    out = tmp_path / name
+    args = [str(config), str(tiny_features["manifest"]), str(out / "run"), str(out / "drafter"),
+            str(out / "metrics.jsonl")]  # fmt: skip
+    return args, out
+
+
+def _rows(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_train_exports_a_drafter_and_learns(tmp_path, tiny_features, tiny_target_dir):
+    args, out = _train(tmp_path, tiny_features, "a")
+    launch(*args)
+    rows = _rows(out / "metrics.jsonl")
+    assert rows[-1]["loss"] < rows[0]["loss"]
+    assert len(rows[0]["slot_accuracy"]) == 7 and rows[0]["expected_acceptance"] >= 1
+    cfg = json.loads((out / "drafter" / "config.json").read_text())
+    assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["dflash_config"][
+        "target_layer_ids"
+    ] == [0, 1]
+    from safetensors.torch import load_file
+
+    target = load_file(tiny_target_dir / "model.safetensors")
+    embed = target["model.embed_tokens.weight"]
+    drafter = load_drafter(out / "drafter", embed, target.get("lm_head.weight", embed))
+    assert drafter.config.block_size == 8 and drafter.config.num_layers == 1
+    # the mask token was chosen automatically: a special token absent from the data
+    assert cfg["dflash_config"]["mask_token_id"] not in {0, 1, 2}
+
+
+def test_two_processes(tmp_path, tiny_features):
+    args, out = _train(tmp_path, tiny_features, "ddp", cpu_processes=2, epochs=1)
+    launch(*args)
+    assert (out / "drafter" / "model.safetensors").is_file()
+    assert _rows(out / "metrics.jsonl")[-1]["step"] >= 2
+
+
+def test_killed_run_resumes_on_the_same_curve(tmp_path, tiny_features):
+    args, out = _train(tmp_path, tiny_features, "whole", epochs=6)
+    launch(*args)
+    whole = _rows(out / "metrics.jsonl")
+    args, out = _train(tmp_path, tiny_features, "killed", epochs=6)
+    cmd = [sys.executable, "-m", "dflashpipe", "train", "--config", args[0], "--manifest", args[1],
+           "--run-dir", args[2], "--drafter", args[3], "--metrics", args[4]]  # fmt: skip
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
+    deadline = time.time() + 120
+    while time.time() < deadline and not (out / "run" / "step-00000008").is_dir():
+        time.sleep(0.01)
+    # SIGKILL the launcher, torchrun and its workers (torchrun starts them in their own session)
+    for p in [*psutil.Process(proc.pid).children(recursive=True), psutil.Process(proc.pid)]:
+        p.kill()
+    proc.wait()
+    assert not (out / "drafter" / "model.safetensors").exists(), "killed too late"
+    subprocess.run(cmd, check=True, capture_output=True)
+    resumed = _rows(out / "metrics.jsonl")
+    assert [r["step"] for r in resumed] == [r["step"] for r in whole]
+    for a, b in zip(whole, resumed, strict=True):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-4, abs=1e-5), a["step"]
+
+
+def test_manifest_mismatch_is_refused(tmp_path, tiny_features):
+    raw = json.loads(json.dumps(tiny_features["raw"]))
+    raw["drafter"]["target_layer_ids"] = [1, 0]
+    with pytest.raises(DataError, match=r"layer_ids is \[0, 1\], but the consumer needs \[1, 0\]"):
+        Trainer(
+            Config.from_dict(raw), tiny_features["manifest"], tmp_path / "run", torch.device("cpu")
+        )
+
+
+def test_checkpoint_of_another_drafter_is_refused(tmp_path, tiny_features):
+    args, out = _train(tmp_path, tiny_features, "c", max_steps=4)
+    launch(*args)
+    raw = json.loads(json.dumps(tiny_features["raw"]))
+    raw["drafter"]["num_layers"] = 2
+    with pytest.raises(DataError, match="drafter.num_layers=1.*drafter.num_layers=2"):
+        Trainer(Config.from_dict(raw), tiny_features["manifest"], out / "run", torch.device("cpu"))
