@@ -98,3 +98,47 @@ def test_checkpoint_of_another_drafter_is_refused(tmp_path, tiny_features):
     raw["drafter"]["num_layers"] = 2
     with pytest.raises(DataError, match="drafter.num_layers=1.*drafter.num_layers=2"):
         Trainer(Config.from_dict(raw), tiny_features["manifest"], out / "run", torch.device("cpu"))
+
+
+def test_nan_loss_stops_with_the_samples_and_keeps_the_last_good_checkpoint(
+    tmp_path, tiny_features
+):
+    """A shard whose hidden states hold an inf (extract would have skipped it; here it is
+    written by hand) makes the loss non-finite: training stops naming the step and samples."""
+    import pyarrow as pa
+
+    from dflashpipe.codecs import encode
+    from dflashpipe.shards import FeatureShard, build_manifest, feature_row, record_batch
+    from dflashpipe.storage import write_json
+
+    paths = []
+    for i, src in enumerate(tiny_features["shards"]):
+        shard = FeatureShard(src)
+        rows = []
+        for k in range(len(shard)):
+            r = shard.sample(k)
+            if i == 1 and k == 3:
+                r["hidden"][5] = float("inf")
+            enc = encode(r["hidden"], shard.info.codec, 2)
+            rows.append(
+                feature_row(r["sample_id"], r["input_ids"].tolist(), r["loss_mask"].tolist(), enc)
+            )
+        dest = tmp_path / src.name
+        schema = record_batch(rows).schema.with_metadata(shard.info.metadata())
+        with pa.OSFile(str(dest), "wb") as sink, pa.ipc.new_file(sink, schema) as w:
+            w.write_batch(record_batch(rows))
+        paths.append(dest)
+    write_json(tmp_path / "manifest.json", build_manifest(paths))
+    raw = json.loads(json.dumps(tiny_features["raw"]))
+    raw["train"].update(checkpoint_every=1, log_every=1)
+    trainer = Trainer(
+        Config.from_dict(raw), tmp_path / "manifest.json", tmp_path / "run", torch.device("cpu")
+    )
+    with pytest.raises(
+        FloatingPointError, match=r"non-finite loss before step \d+.*'shard-00001.arrow', 3\)"
+    ):
+        trainer.train()
+    saved = sorted(p.name for p in (tmp_path / "run").glob("step-*"))
+    assert all(
+        int(name.split("-")[1]) < trainer.step for name in saved
+    )  # nothing saved at or after the NaN

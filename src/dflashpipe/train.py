@@ -89,6 +89,7 @@ def step_flops(
 class Trainer:
     def __init__(self, cfg: Config, manifest_path: Path, run_dir: Path, device: torch.device):
         self.cfg, self.tc, self.device, self.run_dir = cfg, cfg.section("train"), device, run_dir
+        run_dir.mkdir(parents=True, exist_ok=True)
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.manifest = json.loads(Path(manifest_path).read_text())
