@@ -1,0 +1,148 @@
+"""Drafter training step speed (tokens/s, MFU) and loader decode speed, in one run.
+
+Qwen3-8B drafter: 5 layers, hidden 4096, GQA 32/8, head_dim 128, MLP 12288, block 16, vocab
+151936 (frozen random embedding and LM head), 512 anchors per 3072-token micro-batch, random
+target features. The step is the train stage's: `Drafter` forward (compiled layers, flex
+attention), `block_labels`, chunked `dflash_loss`, backward, clip, fused AdamW. FLOPs by
+`train.step_flops` (formula in its docstring); peak 989 TFLOP/s (H200 dense bf16).
+Loader: `PackedBatches` decoding a bf16-zstd shard of the same shapes, per worker count.
+
+    python benchmarks/train.py --steps 20 --out $OUT/train.json
+    python benchmarks/train.py --smoke        # tiny shapes on the CPU: checks the script
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import torch
+
+from dflashpipe.codecs import encode
+from dflashpipe.data import PackedBatches, Sample, make_loader
+from dflashpipe.loss import block_labels, dflash_loss
+from dflashpipe.model import Drafter, DrafterConfig
+from dflashpipe.shards import ShardInfo, feature_row, record_batch
+from dflashpipe.train import step_flops
+
+FULL = dict(hidden_size=4096, intermediate_size=12288, num_attention_heads=32, num_key_value_heads=8,
+            head_dim=128, vocab_size=151936, tokens=3072, anchors=512, layers=5)  # fmt: skip
+SMOKE = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+             head_dim=16, vocab_size=1000, tokens=256, anchors=32, layers=2)  # fmt: skip
+TAPS = [1, 9, 17, 25, 33]
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def drafter(shape: dict, device: torch.device) -> Drafter:
+    cfg = DrafterConfig(
+        hidden_size=shape["hidden_size"], intermediate_size=shape["intermediate_size"],
+        num_attention_heads=shape["num_attention_heads"], num_key_value_heads=shape["num_key_value_heads"],
+        head_dim=shape["head_dim"], rms_norm_eps=1e-6, vocab_size=shape["vocab_size"],
+        max_position_embeddings=40960, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+        num_target_layers=36, mask_token_id=5, num_layers=shape["layers"], block_size=16,
+        target_layer_ids=TAPS,
+    )  # fmt: skip
+    V, H = shape["vocab_size"], shape["hidden_size"]
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    embed = torch.randn(V, H, device=device, dtype=dtype) * 0.02
+    head = torch.randn(V, H, device=device, dtype=dtype) * 0.02
+    model = Drafter(cfg, embed, head).to(device)
+    if device.type == "cuda":
+        for layer in model.layers:
+            layer.compile()
+    return model
+
+
+def write_shard(path: Path, shape: dict, n: int) -> list[Sample]:
+    """A bf16-zstd feature shard of n random sequences of `tokens` tokens, 5 taps."""
+    T, H = shape["tokens"], shape["hidden_size"]
+    rows = []
+    for i in range(n):
+        hidden = (torch.randn(T, len(TAPS) * H) * 2).to(torch.bfloat16)
+        ids = torch.randint(10, shape["vocab_size"], (T,)).tolist()
+        mask = [0] * 64 + [1] * (T - 64)
+        rows.append(feature_row(str(i), ids, mask, encode(hidden, "bf16-zstd", len(TAPS), 1)))
+    info = ShardInfo("bf16-zstd", TAPS, H, {"name": "random"})
+    schema = record_batch(rows[:1]).schema.with_metadata(info.metadata())
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, schema) as w:
+        for r in rows:
+            w.write_batch(record_batch([r]))
+    return [Sample(0, i, T) for i in range(n)]
+
+
+def step_time(model: Drafter, batch: dict, steps: int) -> tuple[float, float]:
+    """Median seconds per optimizer step and FLOPs per step."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-4, fused=batch["input_ids"].is_cuda)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=batch["input_ids"].is_cuda)
+    B = model.config.block_size
+    times, flops = [], None
+    for i in range(steps + 3):
+        sync()
+        t = time.perf_counter()
+        with autocast:
+            out = model(batch["input_ids"], batch["target_hidden"], batch["position_ids"],
+                        batch["document_ids"], batch["anchors"], batch["keep"])  # fmt: skip
+        labels, valid = block_labels(batch["input_ids"], batch["document_ids"], batch["loss_mask"],
+                                     batch["anchors"], batch["keep"], B)  # fmt: skip
+        loss, _ = dflash_loss(out.float(), model.lm_head.weight, labels, valid, 7.0)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sync()
+        if i >= 3:  # the first steps compile
+            times.append(time.perf_counter() - t)
+        if flops is None:
+            pos = torch.where(batch["keep"], batch["position_ids"][batch["anchors"]], -1)
+            flops = float(step_flops(model.config, batch["input_ids"].shape[0], len(TAPS), pos))
+    return statistics.median(times), flops
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--sequences", type=int, default=12)
+    ap.add_argument("--workers", type=int, nargs="+", default=[1, 4, 8])
+    ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--out", default="train.json")
+    args = ap.parse_args()
+    shape = SMOKE if args.smoke else FULL
+    device = torch.device("cpu" if args.smoke else "cuda")
+    res: dict = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu"}
+    with tempfile.TemporaryDirectory() as tmp:
+        shard = Path(tmp) / "shard.arrow"
+        samples = write_shard(shard, shape, args.sequences)
+        plan = [[i] for i in range(len(samples))]  # one 3072-token sequence per micro-batch
+        ds = PackedBatches(
+            [shard], samples, plan, shape["tokens"], shape["anchors"], seed=0, epoch=0
+        )
+        for w in args.workers:
+            t = time.perf_counter()
+            n = sum(1 for _ in make_loader(ds, 0, w, pin=device.type == "cuda"))
+            res[f"loader_batches_per_s_{w}_workers"] = n / (time.perf_counter() - t)
+        batch = {k: v.to(device) for k, v in ds[0].items()}
+    model = drafter(shape, device)
+    seconds, flops = step_time(model, batch, args.steps)
+    res.update(step_s=seconds, seq_tokens_per_s=shape["tokens"] / seconds,
+               query_tokens_per_s=int(batch["keep"].sum()) * 16 / seconds, tflops=flops / seconds / 1e12,
+               mfu=flops / seconds / 989e12 if device.type == "cuda" else None,
+               peak_mem_gib=torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None)  # fmt: skip
+    for w in args.workers:
+        res[f"loader_vs_training_{w}_workers"] = res[f"loader_batches_per_s_{w}_workers"] * seconds
+    Path(args.out).write_text(json.dumps(res, indent=2))
+    for k, v in res.items():
+        print(f"{k:<36} {v:.4g}" if isinstance(v, float) else f"{k:<36} {v}")
+
+
+if __name__ == "__main__":
+    main()
