@@ -24,7 +24,7 @@ rule train:
         config=RESOLVED_CONFIG,
         digest=stage_digest("target", "drafter", "train"),
         run_dir=f"{RESULTS}/train/run",
-        drafter=f"{RESULTS}/drafter",
+        drafter=lambda wildcards, output: Path(output.config).parent,
     shell:
         "{params.cli} train --config {params.config} --manifest {input.manifest}"
         " --run-dir {params.run_dir} --drafter {params.drafter} --metrics {output.metrics}"
