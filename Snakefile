@@ -19,10 +19,11 @@ include: "workflow/rules/prompts.smk"
 include: "workflow/rules/regenerate.smk"
 include: "workflow/rules/extract.smk"
 include: "workflow/rules/train.smk"
+include: "workflow/rules/evaluate.smk"
 
 
 rule all:
     default_target: True
     # The furthest stage implemented so far; later stages extend this target.
     input:
-        rules.train.output,
+        rules.evaluate.output,

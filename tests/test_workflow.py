@@ -64,11 +64,12 @@ def test_style_ruff_and_snakefmt():
 def test_workflow_on_default_config(tmp_path, smollm2_dir):
     """`snakemake --cores 2` on the embedded default with fewer prompts, tokens and steps:
     retrieve, prompts, two regenerate shards and two feature shards with the real SmolLM2
-    target, the manifest, and training to an exported drafter, for real."""
+    target, the manifest, training to an exported drafter, and its evaluation, for real."""
     raw = yaml.safe_load((REPO / "config.yaml").read_text())
     raw["prompts"]["max_train"] = 8
     raw["regenerate"].update(max_new_tokens=8, batch_size=4, save_every=4)
     raw["train"].update(max_steps=3, log_every=1, num_workers=1)
+    raw["evaluate"].update(num_prompts=2, max_new_tokens=8)
     config = write_yaml(tmp_path / "small.yaml", raw)
     (tmp_path / "resources").symlink_to(REPO / "resources")  # reuse the 93 MB model download
     snakemake(tmp_path, "--cores", "2", "--configfile", str(config))
@@ -88,6 +89,9 @@ def test_workflow_on_default_config(tmp_path, smollm2_dir):
     metrics = (tmp_path / "results" / "train" / "metrics.jsonl").read_text().splitlines()
     steps = [json.loads(m)["step"] for m in metrics]
     assert steps == list(range(1, len(steps) + 1)) and 1 <= len(steps) <= 3  # max_steps 3
+    evaluation = json.loads((tmp_path / "results" / "eval" / "metrics.json").read_text())
+    assert evaluation["lossless_fraction"] == 1.0 and evaluation["acceptance_length"] >= 1
+    assert evaluation["baseline"]["prompt_lookup"]["acceptance_length"] >= 1
     again = snakemake(tmp_path, "--cores", "2", "--configfile", str(config))
     assert "Nothing to be done" in again.stdout + again.stderr
 

@@ -79,6 +79,31 @@ def cmd_train(args: argparse.Namespace) -> None:
     launch(args.config, args.manifest, args.run_dir, args.drafter, args.metrics)
 
 
+def cmd_evaluate(args: argparse.Namespace) -> None:
+    from dflashpipe.config import TargetConfig
+    from dflashpipe.devices import stage_device
+    from dflashpipe.evaluate import EvaluateConfig, run
+
+    target, section, devices = None, {}, "auto"
+    if args.config:
+        cfg = load_config(args.config)
+        target, devices = cfg.target, cfg.devices.extract
+        section = dict(cfg.section("evaluate"), enable_thinking=cfg.regenerate.enable_thinking)
+    if args.target:
+        target = TargetConfig(model=args.target, gguf_file=args.gguf_file)
+    if target is None:
+        raise ConfigError("evaluate needs --target or a --config whose target: names one")
+    for key in ("num_prompts", "max_new_tokens"):
+        if getattr(args, key) is not None:
+            section[key] = getattr(args, key)
+    ev = EvaluateConfig(**section)
+    if args.device:
+        run(target, args.drafter, args.prompts, args.out, ev, args.device)
+        return
+    with stage_device(devices, 0, "devices.extract") as device:
+        run(target, args.drafter, args.prompts, args.out, ev, device)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dflashpipe", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -128,6 +153,23 @@ def build_parser() -> argparse.ArgumentParser:
         "--drafter", required=True, help="export directory (config.json + model.safetensors)"
     )
     p.add_argument("--metrics", required=True, help="output metrics.jsonl")
+
+    desc = "stage 6: speculative decoding with an exported drafter (works outside the workflow)"
+    p = sub.add_parser("evaluate", help=desc, description=desc)
+    p.set_defaults(fn=cmd_evaluate)
+    p.add_argument(
+        "--config", help="config YAML (target, evaluate, devices); optional with --target"
+    )
+    p.add_argument(
+        "--drafter", required=True, help="drafter export dir (config.json + model.safetensors)"
+    )
+    p.add_argument("--prompts", default="results/prompts/eval.parquet", help="eval prompts table")
+    p.add_argument("--out", default="results/eval/metrics.json", help="output metrics.json")
+    p.add_argument("--target", help="HF hub id or local dir; overrides the config's target")
+    p.add_argument("--gguf-file", help="GGUF file inside --target")
+    p.add_argument("--num-prompts", type=int)
+    p.add_argument("--max-new-tokens", type=int)
+    p.add_argument("--device", help="cpu, cuda:N; default: a free GPU of devices.extract, else CPU")
 
     p = add("manifest", cmd_manifest, "gather feature shards into manifest.json")
     p.add_argument("--shards", required=True, nargs="+", help="feature shards")
