@@ -107,3 +107,20 @@ def test_sdpa_and_flex_masks_give_the_same_attention():
 def test_unknown_backend_is_named():
     with pytest.raises(ValueError, match="'xla'"):
         build_masks(DOCS, ANCHORS, torch.ones(4, dtype=torch.bool), B, [None], backend="xla")
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_dense_sdpa_mask_equals_create_mask(window):
+    """build_masks' SDPA form (broadcast indices) is exactly flex's create_mask (vmap)."""
+    from dflashpipe.masks import dense_mask
+
+    g = torch.Generator().manual_seed(0)
+    docs = torch.cat(
+        [torch.full((n,), i) for i, n in enumerate([7, 12, 5])] + [torch.full((4,), -1)]
+    )
+    anchors = torch.sort(torch.randperm(24, generator=g)[:6]).values
+    keep = torch.tensor([1, 1, 0, 1, 1, 0], dtype=torch.bool)
+    mask_mod = block_mask_mod(docs, anchors, keep, 4, window)
+    q_len, kv_len = 6 * 4, docs.shape[0] + 6 * 4
+    expected = create_mask(mask_mod, 1, 1, q_len, kv_len, device="cpu")
+    assert torch.equal(dense_mask(mask_mod, q_len, kv_len, torch.device("cpu")), expected)

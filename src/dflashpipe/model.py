@@ -364,8 +364,17 @@ class Drafter(nn.Module):
             document_ids, anchors, keep, B, self.config.sliding_windows, backend=backend
         )
         x = self.embed_blocks(block_ids).flatten(0, 1)  # (A*B, H)
-        ctx = self.hidden_norm(self.fc(target_hidden.to(self.fc.weight.dtype)))  # (T, H)
+        ctx = self.context(target_hidden)  # (T, H)
         rope = self.rotary_emb(torch.cat([position_ids, block_pos.flatten()]))  # (T+A*B, D)
+        return self.decode(x, ctx, rope, masks).view(anchors.shape[0], B, -1)  # (A, B, H)
+
+    def context(self, target_hidden: Tensor) -> Tensor:
+        """(T, n_taps*H) target states -> (T, H) context shared by every layer (computed once;
+        inference appends to it one accepted token at a time)."""
+        return self.hidden_norm(self.fc(target_hidden.to(self.fc.weight.dtype)))
+
+    def decode(self, x: Tensor, ctx: Tensor, rope: tuple[Tensor, Tensor], masks: dict) -> Tensor:
+        """The layer stack and final norm over block inputs x (Q, H) given the context (T, H)."""
         for layer in self.layers:
             x = layer(x, ctx, rope, masks)
-        return self.norm(x).view(anchors.shape[0], B, -1)  # (A, B, H)
+        return self.norm(x)

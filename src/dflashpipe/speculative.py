@@ -33,7 +33,7 @@ from torch import Tensor, nn
 from transformers import DynamicCache
 
 from dflashpipe.extract import LayerTaps
-from dflashpipe.masks import block_mask_mod
+from dflashpipe.masks import build_masks
 from dflashpipe.model import Drafter
 
 
@@ -269,8 +269,7 @@ class DFlashProposer:
         self._ctx = torch.cat([self._ctx[:-1], self._rows(hidden), self._ctx[-1:]])
 
     def _rows(self, hidden: Tensor) -> Tensor:
-        d = self.drafter
-        return d.hidden_norm(d.fc(hidden.to(d.fc.weight.dtype)))  # (n, H)
+        return self.drafter.context(hidden)  # (n, H)
 
     @torch.inference_mode()
     def block_states(self, anchor: int) -> Tensor:
@@ -285,9 +284,7 @@ class DFlashProposer:
         # context (and the anchor's row) at 0..T, block slots at T..T+B-1, as Drafter.forward
         rope = d.rotary_emb(torch.cat([positions[: T + 1], positions[T:]]))  # (T+1+B, D)
         masks = block_masks(T + 1, B, d.config.sliding_windows, device)
-        for layer in d.layers:
-            x = layer(x, ctx, rope, masks)
-        return d.norm(x)  # (B, H)
+        return d.decode(x, ctx, rope, masks)  # (B, H)
 
     def propose(self, tokens: list[int]) -> list[int]:
         if len(tokens) != self._ctx.shape[0]:
@@ -304,17 +301,11 @@ def block_masks(
     stream: int, block_size: int, sliding_windows: Sequence[int | None], device: torch.device
 ) -> dict[int | None, Tensor]:
     """The drafter's masks (1, 1, B, stream + B) for one block anchored at the last index of a
-    one-document stream: `block_mask_mod` evaluated on broadcast indices (no vmap)."""
+    one-document stream (the same `build_masks` as training, SDPA form)."""
     docs = torch.zeros(stream, dtype=torch.long, device=device)
     anchors = torch.tensor([stream - 1], device=device)
     keep = torch.ones(1, dtype=torch.bool, device=device)
-    q = torch.arange(block_size, device=device)[:, None]  # (B, 1)
-    kv = torch.arange(stream + block_size, device=device)[None, :]  # (1, stream + B)
-    masks = {}
-    for window in dict.fromkeys(sliding_windows):
-        mask_mod = block_mask_mod(docs, anchors, keep, block_size, window)
-        masks[window] = mask_mod(None, None, q, kv)[None, None]
-    return masks
+    return build_masks(docs, anchors, keep, block_size, sliding_windows, backend="sdpa")
 
 
 class PromptLookupProposer:
