@@ -20,10 +20,10 @@ include: "workflow/rules/regenerate.smk"
 include: "workflow/rules/extract.smk"
 include: "workflow/rules/train.smk"
 include: "workflow/rules/evaluate.smk"
+include: "workflow/rules/report.smk"
 
 
 rule all:
     default_target: True
-    # The furthest stage implemented so far; later stages extend this target.
     input:
-        rules.evaluate.output,
+        rules.report.output,

@@ -64,7 +64,7 @@ def test_style_ruff_and_snakefmt():
 def test_workflow_on_default_config(tmp_path, smollm2_dir):
     """`snakemake --cores 2` on the embedded default with fewer prompts, tokens and steps:
     retrieve, prompts, two regenerate shards and two feature shards with the real SmolLM2
-    target, the manifest, training to an exported drafter, and its evaluation, for real."""
+    target, the manifest, training to an exported drafter, its evaluation and the report."""
     raw = yaml.safe_load((REPO / "config.yaml").read_text())
     raw["prompts"]["max_train"] = 8
     raw["regenerate"].update(max_new_tokens=8, batch_size=4, save_every=4)
@@ -92,6 +92,11 @@ def test_workflow_on_default_config(tmp_path, smollm2_dir):
     evaluation = json.loads((tmp_path / "results" / "eval" / "metrics.json").read_text())
     assert evaluation["lossless_fraction"] == 1.0 and evaluation["acceptance_length"] >= 1
     assert evaluation["baseline"]["prompt_lookup"]["acceptance_length"] >= 1
+    assert (
+        "lossless fraction (float32): **1.000**" in (tmp_path / "results" / "report.md").read_text()
+    )
+    snakemake(tmp_path, "--report", "report.html", "--configfile", str(config))
+    assert (tmp_path / "report.html").stat().st_size > 10_000
     again = snakemake(tmp_path, "--cores", "2", "--configfile", str(config))
     assert "Nothing to be done" in again.stdout + again.stderr
 

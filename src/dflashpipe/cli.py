@@ -104,6 +104,19 @@ def cmd_evaluate(args: argparse.Namespace) -> None:
         run(target, args.drafter, args.prompts, args.out, ev, device)
 
 
+def cmd_report(args: argparse.Namespace) -> None:
+    from dflashpipe.report import run
+
+    run(
+        args.train_metrics,
+        args.eval_metrics,
+        args.prompt_stats,
+        args.manifest,
+        args.plots,
+        args.out,
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dflashpipe", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -170,6 +183,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-prompts", type=int)
     p.add_argument("--max-new-tokens", type=int)
     p.add_argument("--device", help="cpu, cuda:N; default: a free GPU of devices.extract, else CPU")
+
+    p = add("report", cmd_report, "stage 7: plots and a Markdown summary of the run")
+    p.add_argument("--train-metrics", required=True, help="results/train/metrics.jsonl")
+    p.add_argument("--eval-metrics", required=True, help="results/eval/metrics.json")
+    p.add_argument("--prompt-stats", required=True, help="results/prompts/stats.json")
+    p.add_argument("--manifest", required=True, help="results/features/manifest.json")
+    p.add_argument("--plots", required=True, help="folder for the PNG plots")
+    p.add_argument("--out", required=True, help="output report.md")
 
     p = add("manifest", cmd_manifest, "gather feature shards into manifest.json")
     p.add_argument("--shards", required=True, nargs="+", help="feature shards")

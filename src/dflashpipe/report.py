@@ -1,0 +1,137 @@
+"""Stage 7, report: plots and a Markdown summary of one workflow run.
+
+    train/metrics.jsonl ─► loss.png (loss and per-slot accuracy vs step)
+                         ─► acceptance.png (expected tau from slot accuracies vs measured tau)
+    eval/metrics.json   ─► histogram.png (accepted length per verify step), throughput table
+    prompts/stats.json, features/manifest.json ─► data section of report.md
+
+The rule marks the outputs with Snakemake's `report()`, so `snakemake --report report.html`
+gathers them into one page.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only; no display on cluster nodes
+import matplotlib.pyplot as plt  # noqa: E402
+
+from dflashpipe.errors import DataError  # noqa: E402
+from dflashpipe.storage import atomic_path  # noqa: E402
+
+
+def _read_json(path: Path) -> dict:
+    if not path.is_file():
+        raise DataError(f"report input not found: {path}")
+    return json.loads(path.read_text())
+
+
+def read_training(path: Path) -> list[dict]:
+    if not path.is_file():
+        raise DataError(f"report input not found: {path}")
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if not rows:
+        raise DataError(f"{path} holds no training metrics")
+    return rows
+
+
+def _save(fig, dest: Path) -> None:
+    with atomic_path(dest) as tmp:
+        fig.savefig(tmp, format="png", dpi=120, bbox_inches="tight")
+    plt.close(fig)
+
+
+def plot_loss(rows: list[dict], dest: Path) -> None:
+    steps = [r["step"] for r in rows]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    ax1.plot(steps, [r["loss"] for r in rows])
+    ax1.set(xlabel="optimizer step", ylabel="weighted CE loss", title="training loss")
+    slots = len(rows[0]["slot_accuracy"])
+    for k in range(slots):
+        ax2.plot(steps, [r["slot_accuracy"][k] for r in rows], label=f"slot {k + 1}",
+                 color=plt.cm.viridis(k / max(1, slots - 1)))  # fmt: skip
+    ax2.set(xlabel="optimizer step", ylabel="accuracy", title="per-slot accuracy", ylim=(0, 1))
+    ax2.legend(fontsize=6, ncol=2)
+    _save(fig, dest)
+
+
+def plot_acceptance(rows: list[dict], evaluation: dict, dest: Path) -> None:
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot([r["step"] for r in rows], [r["expected_acceptance"] for r in rows],
+            label="expected, from training slot accuracies")  # fmt: skip
+    ax.axhline(evaluation["acceptance_length"], color="C1", linestyle="--",
+               label=f"measured tau {evaluation['acceptance_length']:.2f} (evaluate)")  # fmt: skip
+    lookup = evaluation["baseline"]["prompt_lookup"]["acceptance_length"]
+    ax.axhline(lookup, color="C2", linestyle=":", label=f"prompt lookup tau {lookup:.2f}")
+    ax.set(xlabel="optimizer step", ylabel="acceptance length", title="acceptance length")
+    ax.legend()
+    _save(fig, dest)
+
+
+def plot_histogram(evaluation: dict, dest: Path) -> None:
+    hist = {int(k): v for k, v in evaluation["histogram"].items()}
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.bar(list(hist), list(hist.values()))
+    ax.set(xlabel="tokens accepted per verify step (drafts + 1)", ylabel="verify steps",
+           title=f"acceptance histogram (tau {evaluation['acceptance_length']:.2f})")  # fmt: skip
+    _save(fig, dest)
+
+
+def summary(rows: list[dict], evaluation: dict, prompts: dict, manifest: dict, img: str) -> str:
+    """The Markdown summary; `img` is the plot folder relative to the Markdown file."""
+    tps = evaluation["tokens_per_s"]
+    lookup = evaluation["baseline"]["prompt_lookup"]
+    per_source = "\n".join(
+        f"| {s} | {t:.3f} |" for s, t in sorted(evaluation["per_source"].items())
+    )
+    totals = manifest["totals"]
+    return f"""# dflashpipe report
+
+## Data
+- prompts: {prompts["totals"]["train"]} train, {prompts["totals"]["eval"]} eval; dropped {prompts["totals"]["dropped"]}
+- features: {totals["samples"]} samples, {totals["tokens"]} tokens, {totals["bytes"] / 1e6:.1f} MB ({manifest["codec"]}), layers {manifest["layer_ids"]} of {manifest["target"]["name"]}
+
+## Training
+- {rows[-1]["step"]} optimizer steps; final loss {rows[-1]["loss"]:.4f}; expected acceptance length {rows[-1]["expected_acceptance"]:.3f}
+
+![loss]({img}/loss.png)
+![acceptance]({img}/acceptance.png)
+
+## Evaluation ({evaluation["num_prompts"]} prompts, {evaluation.get("run_dtype", "")}, {evaluation.get("device", "")})
+| source | tau |
+|---|---|
+{per_source}
+
+- acceptance length tau: **{evaluation["acceptance_length"]:.3f}** (prompt lookup: {lookup["acceptance_length"]:.3f})
+- lossless fraction (float32): **{evaluation["lossless_fraction"]:.3f}**
+- speedup vs target-only greedy: **{evaluation["speedup"]:.2f}x** (prompt lookup: {lookup["speedup"]:.2f}x)
+
+| method | decode tokens/s |
+|---|---|
+| target only | {tps["target_only"]:.1f} |
+| DFlash drafter | {tps["speculative"]:.1f} |
+| prompt lookup | {lookup["tokens_per_s"]:.1f} |
+
+![histogram]({img}/histogram.png)
+"""
+
+
+def run(train_metrics: str, eval_metrics: str, prompt_stats: str, manifest: str, plots: str,
+        markdown: str) -> None:  # fmt: skip
+    """Write loss.png, acceptance.png, histogram.png into `plots` and the summary to `markdown`."""
+    out, md = Path(plots), Path(markdown)
+    rows = read_training(Path(train_metrics))
+    evaluation = _read_json(Path(eval_metrics))
+    plot_loss(rows, out / "loss.png")
+    plot_acceptance(rows, evaluation, out / "acceptance.png")
+    plot_histogram(evaluation, out / "histogram.png")
+    img = os.path.relpath(out, md.parent)
+    text = summary(
+        rows, evaluation, _read_json(Path(prompt_stats)), _read_json(Path(manifest)), img
+    )
+    with atomic_path(md) as tmp:
+        tmp.write_text(text, encoding="utf-8")

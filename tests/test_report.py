@@ -1,0 +1,51 @@
+import json
+
+import matplotlib.image as mpimg
+import pytest
+
+from dflashpipe.errors import DataError
+from dflashpipe.report import run
+
+EVAL = {
+    "acceptance_length": 2.5, "per_source": {"sharegpt": 2.25, "humaneval": 2.75},
+    "histogram": {"1": 3, "2": 5, "3": 2, "4": 0}, "lossless_fraction": 1.0, "speedup": 1.8,
+    "num_prompts": 4, "run_dtype": "float32", "device": "cpu",
+    "tokens_per_s": {"target_only": 10.0, "speculative": 18.0},
+    "baseline": {"prompt_lookup": {"acceptance_length": 1.9, "speedup": 1.3, "tokens_per_s": 13.0}},
+}  # fmt: skip
+
+
+def _inputs(tmp_path):
+    rows = [{"step": s, "loss": 5.0 / s, "slot_accuracy": [0.5 / s, 0.3 / s, 0.1 / s],
+             "expected_acceptance": 1 + 0.5 / s} for s in (1, 2, 3)]  # fmt: skip
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "eval.json").write_text(json.dumps(EVAL))
+    stats = {"totals": {"train": 10, "eval": 4, "dropped": {"duplicate": 1}}}
+    (tmp_path / "stats.json").write_text(json.dumps(stats))
+    manifest = {"totals": {"samples": 10, "tokens": 500, "bytes": 1e6}, "codec": "bf16-zstd",
+                "layer_ids": [1, 2], "target": {"name": "tiny"}}  # fmt: skip
+    (tmp_path / "manifest.json").write_text(json.dumps(manifest))
+    return [str(tmp_path / n) for n in ("train.jsonl", "eval.json", "stats.json", "manifest.json")]
+
+
+def test_plots_open_and_summary_has_the_numbers(tmp_path):
+    run(
+        *_inputs(tmp_path),
+        str(tmp_path / "results" / "report"),
+        str(tmp_path / "results" / "report.md"),
+    )
+    for name in ("loss", "acceptance", "histogram"):
+        image = mpimg.imread(tmp_path / "results" / "report" / f"{name}.png")
+        assert image.shape[0] > 100 and image.shape[1] > 100
+    md = (tmp_path / "results" / "report.md").read_text()
+    assert "**2.500**" in md and "| humaneval | 2.750 |" in md and "**1.80x**" in md
+    assert "![loss](report/loss.png)" in md and "3 optimizer steps" in md
+
+
+def test_missing_or_empty_inputs(tmp_path):
+    paths = _inputs(tmp_path)
+    (tmp_path / "train.jsonl").write_text("")
+    with pytest.raises(DataError, match="holds no training metrics"):
+        run(*paths, str(tmp_path / "r"), str(tmp_path / "r.md"))
+    with pytest.raises(DataError, match="not found"):
+        run(str(tmp_path / "nope.jsonl"), *paths[1:], str(tmp_path / "r"), str(tmp_path / "r.md"))
