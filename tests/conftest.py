@@ -148,3 +148,13 @@ def tiny_features(tiny_target_dir, tmp_path_factory) -> dict:
         extract(cfg, str(out / f"seq-{i}.parquet"), i, str(shards[-1]))
     write_json(out / "manifest.json", build_manifest(shards))
     return {"dir": out, "manifest": out / "manifest.json", "shards": shards, "raw": raw}
+
+
+def small_default_config(path: Path) -> Path:
+    """config.yaml with fewer prompts, tokens and steps: the whole workflow in minutes on CPU."""
+    raw = yaml.safe_load((REPO / "config.yaml").read_text())
+    raw["prompts"]["max_train"] = 8
+    raw["regenerate"].update(max_new_tokens=8, batch_size=4, save_every=4)
+    raw["train"].update(max_steps=3, log_every=1, num_workers=1)
+    raw["evaluate"].update(num_prompts=2, max_new_tokens=8)
+    return write_yaml(path, raw)

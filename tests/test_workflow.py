@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO, write_yaml
+from conftest import REPO, small_default_config, write_yaml
 
 SNAKEMAKE = [sys.executable, "-m", "snakemake", "--snakefile", str(REPO / "Snakefile")]
 STAGES = sorted(p.stem for p in (REPO / "workflow" / "rules").glob("*.smk") if p.stem != "common")
@@ -65,12 +65,7 @@ def test_workflow_on_default_config(tmp_path, smollm2_dir):
     """`snakemake --cores 2` on the embedded default with fewer prompts, tokens and steps:
     retrieve, prompts, two regenerate shards and two feature shards with the real SmolLM2
     target, the manifest, training to an exported drafter, its evaluation and the report."""
-    raw = yaml.safe_load((REPO / "config.yaml").read_text())
-    raw["prompts"]["max_train"] = 8
-    raw["regenerate"].update(max_new_tokens=8, batch_size=4, save_every=4)
-    raw["train"].update(max_steps=3, log_every=1, num_workers=1)
-    raw["evaluate"].update(num_prompts=2, max_new_tokens=8)
-    config = write_yaml(tmp_path / "small.yaml", raw)
+    config = small_default_config(tmp_path / "small.yaml")
     (tmp_path / "resources").symlink_to(REPO / "resources")  # reuse the 93 MB model download
     snakemake(tmp_path, "--cores", "2", "--configfile", str(config))
     shards = sorted((tmp_path / "results" / "sequences").glob("shard-*.parquet"))

@@ -1,0 +1,102 @@
+"""The workflow on a real one-node SLURM cluster (Debian's slurm-wlm with accounting) through
+the Snakemake SLURM executor and workflow/profiles/slurm: every stage is a SLURM job (sacct),
+and torchrun rendezvous across two srun tasks works. The cluster
+has no GPUs, so the GPU requests of the profile are overridden on the command line."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import REPO, small_default_config
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        os.environ.get("DFLASHPIPE_SLURM_TESTS") != "1"
+        or shutil.which("slurmctld") is None
+        or shutil.which("mariadbd") is None
+        or os.geteuid() != 0,
+        reason="set DFLASHPIPE_SLURM_TESTS=1; needs root and Debian's slurm-wlm, slurmdbd, munge, "
+        "mariadb-server (it starts and stops its own one-node cluster)",
+    ),
+]
+CLUSTER = Path(__file__).parent / "slurm" / "cluster.sh"
+GPU_RULES = ("regenerate_shard", "extract_shard", "train", "evaluate")
+CPU_OVERRIDES = [
+    "--default-resources", "mem_mb=1000", "runtime=10", "cpus_per_task=1",
+    "--set-resources",
+    *[f"{rule}:{key}={value}" for rule in GPU_RULES
+      for key, value in (("gpu", 0), ("cpus_per_gpu", 0), ("mem_mb", 2000))],
+    "--slurm-init-seconds-before-status-checks", "2", "--seconds-between-status-checks", "3",
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    state = tmp_path_factory.mktemp("slurm")
+    subprocess.run([str(CLUSTER), "start", str(state)], check=True)
+    yield state
+    subprocess.run([str(CLUSTER), "stop", str(state)], check=False)
+
+
+def _workdir(tmp_path: Path) -> tuple[Path, Path]:
+    (tmp_path / "resources").symlink_to(REPO / "resources")  # the model and data, retrieved once
+    return tmp_path, small_default_config(tmp_path / "small.yaml")
+
+
+def _snakemake(workdir: Path, config: Path, *targets: str) -> list[str]:
+    return [sys.executable, "-m", "snakemake", *targets, "--snakefile", str(REPO / "Snakefile"),
+            "--directory", str(workdir), "--workflow-profile", str(REPO / "workflow/profiles/slurm"),
+            *CPU_OVERRIDES, "--configfile", str(config)]  # fmt: skip
+
+
+def _jobs(since: str) -> list[tuple[str, str]]:
+    """(comment, state) of the SLURM jobs submitted since `since` (sacct's job comments name
+    the rule: rule_<name>_wildcards_<...>)."""
+    out = subprocess.run(["sacct", "-X", "-n", "-P", "-S", since, "-o", "Comment,State"],
+                         capture_output=True, text=True, check=True).stdout  # fmt: skip
+    return [tuple(line.split("|")) for line in out.splitlines() if line.startswith("rule_")]
+
+
+def test_every_stage_runs_as_a_slurm_job(cluster, tmp_path, smollm2_dir):
+    since = time.strftime("%Y-%m-%dT%H:%M:%S")
+    workdir, config = _workdir(tmp_path)
+    done = subprocess.run(_snakemake(workdir, config), capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (workdir / "results/drafter/model.safetensors").is_file()
+    assert (
+        json.loads((workdir / "results/eval/metrics.json").read_text())["lossless_fraction"] == 1.0
+    )
+    jobs = _jobs(since)
+    rules = {comment.split("_wildcards")[0].removeprefix("rule_") for comment, _ in jobs}
+    assert rules >= {"prompts", "regenerate_shard", "extract_shard", "extract_manifest", "train",
+                     "evaluate", "report"}, jobs  # fmt: skip
+    assert all(state == "COMPLETED" for _, state in jobs), jobs
+
+
+def test_torchrun_rendezvous_across_two_srun_tasks(cluster, tmp_path):
+    """Two srun tasks act as two nodes: each runs one torchrun agent (c10d rendezvous on the
+    first task's host), world size 2 over gloo."""
+    script = tmp_path / "ranks.py"
+    script.write_text(
+        "import torch.distributed as dist, os\n"
+        "dist.init_process_group('gloo')\n"
+        "t = __import__('torch').ones(1) * (dist.get_rank() + 1)\n"
+        "dist.all_reduce(t)\n"
+        "print(os.environ['GROUP_RANK'], dist.get_rank(), dist.get_world_size(), int(t.item()))\n"
+    )
+    from dflashpipe.train import torchrun_command
+
+    cmd = torchrun_command(nodes=2, procs_per_node=1, endpoint="localhost:29533", run_id="t",
+                           module=None, args=[str(script)])  # fmt: skip
+    done = subprocess.run(["srun", "--ntasks=2", "--cpus-per-task=1", "--mem=1000", "--overlap", *cmd],
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = sorted(line.split() for line in done.stdout.splitlines() if line.strip())
+    assert [line[1:] for line in lines] == [["0", "2", "3"], ["1", "2", "3"]]
+    assert {line[0] for line in lines} == {"0", "1"}  # two "nodes"
