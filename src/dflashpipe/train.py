@@ -22,7 +22,7 @@ import shutil
 import subprocess
 import sys
 import time
-from contextlib import ExitStack
+from contextlib import ExitStack, nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -122,7 +122,7 @@ class Trainer:
         d = self.cfg.section("drafter")
         if d["target_layer_ids"] is not None:
             check_manifest(self.manifest, {"layer_ids": d["target_layer_ids"]})
-        for path in self.shards:
+        for path in self.shards[self.rank :: self.world]:  # each shard hashed once, not per rank
             verify_shard(path, self.manifest)
         mask_id = (
             d["mask_token_id"]
@@ -195,7 +195,7 @@ class Trainer:
     def micro_step(self, batch: dict, sync: bool) -> tuple[torch.Tensor, dict]:
         b = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
         autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.device.type == "cuda")
-        ctx = self.model.no_sync() if (self.world > 1 and not sync) else _nullcontext()
+        ctx = self.model.no_sync() if (self.world > 1 and not sync) else nullcontext()
         with ctx:
             with autocast:
                 out = self.model(b["input_ids"], b["target_hidden"], b["position_ids"], b["document_ids"],
@@ -365,14 +365,6 @@ def _tensorboard(path: Path):
         log.info("tensorboard is not installed; metrics go to metrics.jsonl only")
         return None
     return SummaryWriter(str(path))
-
-
-class _nullcontext:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def main(argv: list[str] | None = None) -> None:
