@@ -46,7 +46,8 @@ def test_fp8_error_is_bounded_per_token_and_layer():
 def test_corrupt_payload_is_a_data_error():
     block = _block()
     enc = encode(block, "bf16-zstd", n_layers=3)
-    enc.hidden = enc.hidden[:10] + b"\x00" * 20 + enc.hidden[30:]
+    data = bytes(enc.hidden)
+    enc.hidden = data[:10] + b"\x00" * 20 + data[30:]
     with pytest.raises(DataError, match="cannot decode a bf16-zstd block of 37x192"):
         decode(enc, "bf16-zstd", 37, 192, 3)
 

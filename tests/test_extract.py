@@ -67,7 +67,7 @@ def test_taps_are_hf_hidden_states_and_later_layers_do_not_run():
         layer.register_forward_hook(lambda *_, i=i: ran.append(i))
     truncate_base(base, 2)
     taps = LayerTaps(base, [0, 2])
-    out = forward_taps(base, taps, ids, mask)  # (2, 9, 64)
+    out = forward_taps(base, taps, ids)  # (2, 9, 64)
     assert ran == [0, 1, 2]  # layers 3 and 4 were never run
     expected = torch.cat([ref[1], ref[3]], dim=-1).to(torch.bfloat16)
     assert torch.equal(out, expected)
@@ -94,7 +94,7 @@ def test_stage_writes_decodable_shard(tiny_target_dir, sequences, tmp_path, code
     taps = LayerTaps(base, [0, 1])
     for row in shard:
         ids = row["input_ids"].long()[None]
-        ref = forward_taps(base, taps, ids, torch.ones_like(ids))[0]  # unpadded, alone
+        ref = forward_taps(base, taps, ids)[0]  # unpadded, alone
         assert row["hidden"].shape == ref.shape == (len(ids[0]), 128)
         tol = 0.07 if codec == "fp8-zstd" else 0.01
         assert (row["hidden"].float() - ref.float()).norm() <= tol * ref.float().norm()

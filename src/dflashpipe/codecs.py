@@ -29,7 +29,7 @@ _local = threading.local()  # zstd contexts are not thread-safe: one per thread
 
 @dataclass
 class Encoded:
-    hidden: bytes  # the encoded block
+    hidden: bytes | np.ndarray  # the encoded block (pack gives a uint8 array, shards give bytes)
     split: int | None = None  # bf16-zstd: byte length of the first (high-byte) frame
     scales: bytes | None = None  # fp8-zstd: float32 (T, n_layers)
 
@@ -69,13 +69,16 @@ def prepare(block: torch.Tensor, codec: str, n_layers: int) -> tuple[torch.Tenso
 
 def pack(parts: tuple[torch.Tensor, ...], codec: str, level: int = 1) -> Encoded:
     """The compressing half of encoding, on CPU tensors from `prepare` (one sample)."""
+    # Copies go through numpy, which releases the GIL (bytes concatenation does not): extract
+    # runs this in many threads beside the thread that launches the GPU work.
     z = _compressor(level)
     if codec == "raw":
-        return Encoded(parts[0].contiguous().numpy().tobytes())
+        return Encoded(parts[0].contiguous().numpy().view(np.uint8).reshape(-1).copy())
     if codec == "bf16-zstd":
         high = z.compress(parts[0].contiguous().numpy())
         low = z.compress(parts[1].contiguous().numpy())
-        return Encoded(high + low, split=len(high))
+        joined = np.concatenate([np.frombuffer(high, np.uint8), np.frombuffer(low, np.uint8)])
+        return Encoded(joined, split=len(high))
     if codec == "fp8-zstd":
         return Encoded(
             z.compress(parts[0].contiguous().numpy()),

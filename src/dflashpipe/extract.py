@@ -83,11 +83,13 @@ class LayerTaps:
 
 
 @torch.inference_mode()
-def forward_taps(
-    base: nn.Module, taps: LayerTaps, ids: torch.Tensor, mask: torch.Tensor
-) -> torch.Tensor:
-    """(B, T, n_layers*H) hidden states of the tapped layers for right-padded `ids`."""
-    base(input_ids=ids, attention_mask=mask, use_cache=False)
+def forward_taps(base: nn.Module, taps: LayerTaps, ids: torch.Tensor) -> torch.Tensor:
+    """(B, T, n_layers*H) hidden states of the tapped layers for right-padded `ids`.
+
+    No attention mask: with causal attention and the padding on the right, a real token never
+    sees a pad, and positions 0..len-1 are the defaults. Without a mask, sdpa takes its causal
+    flash path and transformers never inspects the mask on the host (a GPU sync per batch)."""
+    base(input_ids=ids, use_cache=False)
     return taps.gather().to(torch.bfloat16)  # shards hold bf16 whatever the compute dtype
 
 
@@ -158,6 +160,9 @@ class Extractor:
         workers = ex["encode_workers"] or max(1, min(16, (os.cpu_count() or 2) - 1))
         self.pool = ThreadPoolExecutor(workers, thread_name_prefix="encode")
         self.pinned = device.type == "cuda"
+        # seconds the launching thread spent blocked: on the GPU (copy not done yet) and on the
+        # writer's full queue (host side behind); the benchmark reports them
+        self.blocked: Counter = Counter()
 
     def _encode_row(self, row: dict, parts: tuple[torch.Tensor, ...]) -> dict:
         enc = pack(parts, self.codec, self.level)
@@ -166,15 +171,14 @@ class Extractor:
 
     def _launch(self, rows: list[dict]):
         """Forward one batch and start its device-to-host copy; returns what the host needs."""
-        width = max(len(r["input_ids"]) for r in rows)
-        ids = torch.zeros((len(rows), width), dtype=torch.long, pin_memory=self.pinned)
-        mask = torch.zeros((len(rows), width), dtype=torch.long, pin_memory=self.pinned)
+        lengths = [len(r["input_ids"]) for r in rows]
+        ids = torch.zeros((len(rows), max(lengths)), dtype=torch.long, pin_memory=self.pinned)
         for b, r in enumerate(rows):
-            ids[b, : len(r["input_ids"])] = torch.tensor(r["input_ids"])
-            mask[b, : len(r["input_ids"])] = 1
-        mask_d = mask.to(self.device, non_blocking=True)
-        hidden = forward_taps(self.base, self.taps, ids.to(self.device, non_blocking=True), mask_d)
-        finite = torch.isfinite(hidden).logical_or(mask_d[..., None] == 0).flatten(1).all(1)  # (B,)
+            ids[b, : lengths[b]] = torch.tensor(r["input_ids"])
+        ids_d = ids.to(self.device, non_blocking=True)
+        hidden = forward_taps(self.base, self.taps, ids_d)
+        pad = ids_d.new_tensor(lengths).unsqueeze(1) <= torch.arange(ids.shape[1], device=self.device)
+        finite = torch.isfinite(hidden).logical_or(pad[..., None]).flatten(1).all(1)  # (B,)
         host = []
         for part in prepare(hidden, self.codec, len(self.layer_ids)):  # planes / fp8 on the GPU
             buf = torch.empty(part.shape, dtype=part.dtype, pin_memory=self.pinned)
@@ -187,8 +191,10 @@ class Extractor:
 
     def _hand_over(self, launched, writer: ShardWriter, stats: Counter) -> None:
         rows, host, finite, event = launched
+        t = time.perf_counter()
         if event is not None:
             event.synchronize()  # the copy of this batch is complete (the next batch is running)
+        self.blocked["gpu"] += time.perf_counter() - t
         futures: list[Future] = []
         for b, r in enumerate(rows):
             if not bool(finite[b]):
@@ -196,7 +202,9 @@ class Extractor:
                 continue
             parts = tuple(h[b, : len(r["input_ids"])] for h in host)
             futures.append(self.pool.submit(self._encode_row, r, parts))
+        t = time.perf_counter()
         writer.queue.put(futures)
+        self.blocked["host"] += time.perf_counter() - t
 
     def run(self, rows: list[dict], out: Path, info: ShardInfo, stats: Counter) -> None:
         batches = plan_batches([len(r["input_ids"]) for r in rows], self.budget)

@@ -80,13 +80,14 @@ def stats_path(shard: Path) -> Path:
 
 def record_batch(rows: list[dict]) -> pa.RecordBatch:
     """Rows -> one record batch, building the big `hidden` column from buffers: converting
-    Python bytes objects one by one runs at ~250 MB/s under the GIL, buffers at memcpy speed
-    (zero-copy for a single row, which is how the extract writer calls it)."""
+    Python bytes objects one by one runs at ~250 MB/s under the GIL, a numpy concatenation at
+    memcpy speed without the GIL (zero-copy for a single row)."""
     n = len(rows)
     hidden = [r["hidden"] for r in rows]
     offsets = np.zeros(n + 1, dtype=np.int64)
     offsets[1:] = np.cumsum([len(h) for h in hidden])
-    data = pa.py_buffer(hidden[0] if n == 1 else b"".join(hidden))
+    planes = [np.frombuffer(h, np.uint8) for h in hidden] or [np.empty(0, np.uint8)]
+    data = pa.py_buffer(hidden[0] if n == 1 else np.concatenate(planes))
     columns = {
         "sample_id": pa.array([r["sample_id"] for r in rows], pa.string()),
         "input_ids": pa.array([r["input_ids"] for r in rows], pa.list_(pa.int32())),
