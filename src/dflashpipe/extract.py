@@ -177,7 +177,8 @@ class Extractor:
             ids[b, : lengths[b]] = torch.tensor(r["input_ids"])
         ids_d = ids.to(self.device, non_blocking=True)
         hidden = forward_taps(self.base, self.taps, ids_d)
-        pad = ids_d.new_tensor(lengths).unsqueeze(1) <= torch.arange(ids.shape[1], device=self.device)
+        positions = torch.arange(ids.shape[1], device=self.device)
+        pad = positions >= ids_d.new_tensor(lengths).unsqueeze(1)  # (B, T)
         finite = torch.isfinite(hidden).logical_or(pad[..., None]).flatten(1).all(1)  # (B,)
         host = []
         for part in prepare(hidden, self.codec, len(self.layer_ids)):  # planes / fp8 on the GPU
