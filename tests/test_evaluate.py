@@ -75,6 +75,8 @@ def test_metrics_json(tiny_target_dir, target_config, eval_table, tmp_path):
     assert metrics["speedup"] > 0 and metrics["tokens_per_s"]["target_only"] > 0
     lookup = metrics["baseline"]["prompt_lookup"]
     assert lookup["acceptance_length"] >= 1.0 and lookup["tokens_per_s"] > 0
+    assert set(lookup["per_source"]) == {"sharegpt", "humaneval"}
+    assert min(lookup["per_source"].values()) >= 1.0
     assert len(lookup["per_position_acceptance"]) == 3
     assert lookup["identical_to_target_fraction"] == 1.0
     assert [r["lossless"] for r in metrics["responses"]] == [True] * 3

