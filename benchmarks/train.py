@@ -2,8 +2,9 @@
 
 Qwen3-8B drafter: 5 layers, hidden 4096, GQA 32/8, head_dim 128, MLP 12288, block 16, vocab
 151936 (frozen random embedding and LM head), 512 anchors per 3072-token micro-batch, random
-target features. The step is the train stage's: `Drafter` forward (compiled layers, flex
-attention), `block_labels`, chunked `dflash_loss`, backward, clip, fused AdamW. FLOPs by
+target features. The step is the train stage's (`train.forward_loss`): `Drafter` forward
+(float32 master weights, bf16 autocast, compiled layers, flex attention), `block_labels`, chunked
+`dflash_loss` against the bf16 head, backward, clip, fused AdamW. FLOPs by
 `train.step_flops` (formula in its docstring); peak 989 TFLOP/s (H200 dense bf16).
 Loader: `PackedBatches` decoding a bf16-zstd shard of the same shapes, per worker count.
 
@@ -25,10 +26,9 @@ import torch
 
 from dflashpipe.codecs import encode
 from dflashpipe.data import PackedBatches, Sample, make_loader
-from dflashpipe.loss import block_labels, dflash_loss
 from dflashpipe.model import Drafter, DrafterConfig
 from dflashpipe.shards import ShardInfo, feature_row, record_batch
-from dflashpipe.train import step_flops
+from dflashpipe.train import compute_head, forward_loss, step_flops
 
 FULL = dict(hidden_size=4096, intermediate_size=12288, num_attention_heads=32, num_key_value_heads=8,
             head_dim=128, vocab_size=151936, tokens=3072, anchors=512, layers=5)  # fmt: skip
@@ -52,9 +52,9 @@ def drafter(shape: dict, device: torch.device) -> Drafter:
         target_layer_ids=TAPS,
     )  # fmt: skip
     V, H = shape["vocab_size"], shape["hidden_size"]
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    embed = torch.randn(V, H, device=device, dtype=dtype) * 0.02
-    head = torch.randn(V, H, device=device, dtype=dtype) * 0.02
+    # float32 master weights and bf16 autocast, as the train stage holds them
+    embed = torch.randn(V, H, device=device) * 0.02
+    head = torch.randn(V, H, device=device) * 0.02
     model = Drafter(cfg, embed, head).to(device)
     if device.type == "cuda":
         for layer in model.layers:
@@ -83,18 +83,12 @@ def step_time(model: Drafter, batch: dict, steps: int) -> tuple[float, float]:
     """Median seconds per optimizer step and FLOPs per step."""
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4, fused=batch["input_ids"].is_cuda)
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=batch["input_ids"].is_cuda)
-    B = model.config.block_size
+    head = compute_head(model, batch["input_ids"].device)
     times, flops = [], None
     for i in range(steps + 3):
         sync()
         t = time.perf_counter()
-        with autocast:
-            out = model(batch["input_ids"], batch["target_hidden"], batch["position_ids"],
-                        batch["document_ids"], batch["anchors"], batch["keep"])  # fmt: skip
-        labels, valid = block_labels(batch["input_ids"], batch["document_ids"], batch["loss_mask"],
-                                     batch["anchors"], batch["keep"], B)  # fmt: skip
-        loss, _ = dflash_loss(out.float(), model.lm_head.weight, labels, valid, 7.0)
+        loss, _ = forward_loss(model, head, batch, model.config.block_size, 7.0)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()

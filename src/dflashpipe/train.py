@@ -86,6 +86,28 @@ def step_flops(
     return 3 * cfg.num_layers * (per_layer + attention) + 2 * fc + 2 * head
 
 
+def compute_head(drafter: Drafter, device: torch.device) -> torch.Tensor:
+    """The frozen LM head as the loss multiplies it: bf16 on GPU (a float32 head would run the
+    biggest matmul of the step, rows x vocab, at a fraction of the tensor cores' rate; the
+    logits still go to float32 before the softmax), float32 on CPU."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    return drafter.lm_head.weight.detach().to(dtype)
+
+
+def forward_loss(
+    model: torch.nn.Module, head: torch.Tensor, b: dict, block_size: int, gamma: float
+) -> tuple[torch.Tensor, dict]:
+    """One micro-batch's DFlash loss and metrics (tensors, no host sync): drafter forward under
+    bf16 autocast on GPU, labels, chunked weighted CE against the frozen head."""
+    cuda = b["input_ids"].is_cuda
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
+        out = model(b["input_ids"], b["target_hidden"], b["position_ids"], b["document_ids"],
+                    b["anchors"], b["keep"])  # fmt: skip  # (A, B, H)
+    labels, valid = block_labels(b["input_ids"], b["document_ids"], b["loss_mask"], b["anchors"],
+                                 b["keep"], block_size)  # fmt: skip
+    return dflash_loss(out.to(head.dtype), head, labels, valid, gamma)
+
+
 class Trainer:
     def __init__(self, cfg: Config, manifest_path: Path, run_dir: Path, device: torch.device):
         self.cfg, self.tc, self.device, self.run_dir = cfg, cfg.section("train"), device, run_dir
@@ -140,6 +162,7 @@ class Trainer:
             for layer in drafter.layers:  # per layer: every layer kind compiles once
                 layer.compile()
         self.drafter = drafter
+        self.head = compute_head(drafter, self.device)
         self.model = (
             DDP(drafter, device_ids=[self.device.index] if self.device.type == "cuda" else None)
             if self.world > 1
@@ -194,17 +217,9 @@ class Trainer:
 
     def micro_step(self, batch: dict, sync: bool) -> tuple[torch.Tensor, dict]:
         b = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
-        autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.device.type == "cuda")
         ctx = self.model.no_sync() if (self.world > 1 and not sync) else nullcontext()
         with ctx:
-            with autocast:
-                out = self.model(b["input_ids"], b["target_hidden"], b["position_ids"], b["document_ids"],
-                                 b["anchors"], b["keep"])  # fmt: skip  # (A, B, H)
-            labels, valid = block_labels(b["input_ids"], b["document_ids"], b["loss_mask"], b["anchors"],
-                                         b["keep"], self.dcfg.block_size)  # fmt: skip
-            loss, metrics = dflash_loss(
-                out.float(), self.drafter.lm_head.weight.float(), labels, valid, self.gamma
-            )
+            loss, metrics = forward_loss(self.model, self.head, b, self.dcfg.block_size, self.gamma)
             (loss / self.accum).backward()
         anchors_pos = torch.where(b["keep"], b["position_ids"][b["anchors"]], -1)
         metrics["flops"] = step_flops(
