@@ -13,7 +13,14 @@ from transformers import LlamaConfig, LlamaModel
 
 from dflashpipe.config import Config
 from dflashpipe.errors import DataError
-from dflashpipe.extract import LayerTaps, forward_taps, plan_batches, run, truncate_base
+from dflashpipe.extract import (
+    LayerTaps,
+    forward_taps,
+    plan_batches,
+    run,
+    start_writeback,
+    truncate_base,
+)
 from dflashpipe.prompts import Prompt, prompt_key, write_prompts
 from dflashpipe.regenerate import run as regenerate
 from dflashpipe.shards import FeatureShard, build_manifest, check_manifest, stats_path, verify_shard
@@ -213,3 +220,13 @@ def test_sequences_of_another_tokenizer_are_refused(tiny_target_dir, sequences, 
             str(tmp_path / "o.arrow"),
         )
     assert not (tmp_path / "o.arrow").exists()
+
+
+def test_writeback_keeps_the_bytes(tmp_path):
+    path = tmp_path / "f.bin"
+    data = bytes(range(256)) * 4096
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        assert start_writeback(path, 0, len(data)) == len(data)
+    assert path.read_bytes() == data

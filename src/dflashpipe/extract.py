@@ -122,6 +122,25 @@ def read_sequences(
     return rows
 
 
+WRITEBACK_BYTES = 256 << 20
+
+
+def start_writeback(path: Path, start: int, end: int) -> int:
+    """Start writing [start, end) of `path` to disk now, without waiting for it.
+
+    Left to the page cache, a shard of tens of GB stays dirty in memory until the final fsync,
+    which then stalls for as long as the disk needs for all of it. Asking for the written range
+    to be dropped from the cache makes the kernel begin its writeback at once (Linux), so the
+    disk works while the GPU does and the final fsync finds little left. Returns `end`."""
+    if hasattr(os, "posix_fadvise"):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, start, end - start, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    return end
+
+
 class ShardWriter(threading.Thread):
     """Writes encoded batches, in the order they were submitted, to an Arrow IPC file."""
 
@@ -135,9 +154,12 @@ class ShardWriter(threading.Thread):
     def run(self) -> None:
         try:
             with pa.OSFile(str(self.path), "wb") as sink, pa.ipc.new_file(sink, self.schema) as w:
+                flushed = 0
                 while (item := self.queue.get()) is not None:
                     rows = [f.result() for f in item]
                     w.write_batch(record_batch(rows))
+                    if sink.tell() - flushed >= WRITEBACK_BYTES:
+                        flushed = start_writeback(self.path, flushed, sink.tell())
                     self.encoded_bytes += sum(
                         len(r["hidden"]) + len(r["scales"] or b"") for r in rows
                     )
