@@ -86,7 +86,21 @@ def run_workflow(args: argparse.Namespace, variant: str, deadline: float) -> int
             os.killpg(proc.pid, signal.SIGKILL)
             rc = proc.wait()
     print(f"[{variant}] snakemake exit {rc}; log {work / 'quality.log'}", flush=True)
+    print(f"[{variant}] finished jobs:\n{stage_times(work)}", flush=True)
     return rc
+
+
+def stage_times(work: Path) -> str:
+    """Seconds, mean CPU load and peak memory of every finished job (Snakemake `benchmark:`)."""
+    lines = []
+    for tsv in sorted((work / "results" / "benchmarks").rglob("*.tsv")):
+        head, *rows = tsv.read_text().splitlines()
+        if rows:
+            f = dict(zip(head.split("\t"), rows[-1].split("\t"), strict=False))
+            name = tsv.relative_to(work / "results" / "benchmarks").with_suffix("")
+            lines.append(f"  {str(name):<28} {float(f['s']):8.1f} s  load {f['mean_load']:>7}%  "
+                         f"rss {float(f['max_rss']):8.0f} MB")  # fmt: skip
+    return "\n".join(lines)
 
 
 def _read(path: Path):

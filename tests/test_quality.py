@@ -46,3 +46,4 @@ def test_quality_driver_main_and_fp8_variant(tmp_path, smollm2_dir):
         assert set(r["lookup_tau"]) == {"sharegpt", "humaneval"} and r["bytes_per_token"] > 0
     assert rows["fp8"]["bytes_per_token"] < rows["main"]["bytes_per_token"]
     assert "| fp8 |" in done.stdout and "| main |" in done.stdout
+    assert "extract/shard-00000" in done.stdout  # per-job times from the benchmark files
