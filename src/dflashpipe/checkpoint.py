@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import random
 import shutil
 from pathlib import Path
@@ -17,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from dflashpipe import faults
 from dflashpipe.errors import DataError
 
 log = logging.getLogger(__name__)
@@ -50,14 +52,30 @@ def save(run_dir: Path, step: int, state: dict, fingerprint: dict, keep: int) ->
     tmp.mkdir(parents=True)
     torch.save({**state, "rng": rng_state(), "step": step}, tmp / "state.pt")
     (tmp / "fingerprint.json").write_text(json.dumps(fingerprint, indent=2, sort_keys=True))
+    for path in (tmp / "state.pt", tmp / "fingerprint.json", tmp):
+        _fsync(path)
+    faults.point("checkpoint.written")
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)
+    _fsync(run_dir)
+    faults.point("checkpoint.renamed")
     for old in sorted(run_dir.glob(f"{PREFIX}*"))[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
 
 
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def latest(run_dir: Path) -> Path | None:
+    """The newest complete checkpoint; half-written ones (a killed save) are removed."""
+    for stale in run_dir.glob(f".{PREFIX}*.tmp"):
+        shutil.rmtree(stale, ignore_errors=True)
     done = sorted(p for p in run_dir.glob(f"{PREFIX}*") if (p / "state.pt").is_file())
     return done[-1] if done else None
 

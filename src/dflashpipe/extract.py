@@ -19,6 +19,7 @@ import queue
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -28,6 +29,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from dflashpipe import faults
 from dflashpipe.codecs import pack, prepare
 from dflashpipe.config import Config
 from dflashpipe.errors import DataError
@@ -158,6 +160,7 @@ class ShardWriter(threading.Thread):
                 while (item := self.queue.get()) is not None:
                     rows = [f.result() for f in item]
                     w.write_batch(record_batch(rows))
+                    faults.point("extract.written")
                     if sink.tell() - flushed >= WRITEBACK_BYTES:
                         flushed = start_writeback(self.path, flushed, sink.tell())
                     self.encoded_bytes += sum(
@@ -226,11 +229,13 @@ class Extractor:
                 continue
             parts = tuple(h[b, : len(r["input_ids"])] for h in host)
             futures.append(self.pool.submit(self._encode_row, r, parts))
+        faults.point("extract.batch")
         t = time.perf_counter()
         writer.queue.put(futures)
         self.timing["blocked_on_host"] += time.perf_counter() - t
 
-    def run(self, rows: list[dict], out: Path, info: ShardInfo, stats: Counter) -> None:
+    def run(self, rows: list[dict], out: Path, info: ShardInfo, stats: Counter,
+            before_rename: Callable[[], None] | None = None) -> None:  # fmt: skip
         batches = plan_batches([len(r["input_ids"]) for r in rows], self.budget)
         bar = tqdm(
             total=sum(len(r["input_ids"]) for r in rows), desc="extract", unit=" tok", mininterval=2
@@ -256,6 +261,8 @@ class Extractor:
                 writer.join()
             if writer.error is not None:
                 raise writer.error
+            if before_rename is not None:
+                before_rename()
         bar.close()
 
     def _progress(self, bar: tqdm, rows: list[dict], writer: ShardWriter, start: float) -> None:
@@ -313,14 +320,20 @@ def run(cfg: Config, sequences: str, shard: int, out: str) -> None:
             layer_ids,
             info.codec,
         )
+        tokens = sum(len(r["input_ids"]) for r in rows)
+
+        def write_stats() -> None:  # before the shard's rename: a shard in place has its stats
+            kept = len(rows) - stats["nan_or_inf"]
+            write_json(
+                stats_path(out_path), {"samples": kept, "tokens": tokens, "skipped": dict(stats)}
+            )
+
         extractor = Extractor(cfg, base, layer_ids, device)
         try:
-            extractor.run(rows, out_path, info, stats)
+            extractor.run(rows, out_path, info, stats, before_rename=write_stats)
         finally:
             extractor.close()
     kept = len(rows) - stats["nan_or_inf"]
-    tokens = sum(len(r["input_ids"]) for r in rows)
-    write_json(stats_path(out_path), {"samples": kept, "tokens": tokens, "skipped": dict(stats)})
     log.info(
         "shard %d: %d samples, %d bytes, skipped %s",
         shard,

@@ -24,6 +24,7 @@ import pyarrow.parquet as pq
 import torch
 from tqdm import tqdm
 
+from dflashpipe import faults
 from dflashpipe.chat import encode_chat, encode_prompt, end_of_turn_ids
 from dflashpipe.config import Config, RegenerateConfig
 from dflashpipe.errors import DataError
@@ -205,6 +206,7 @@ def regenerate_rows(rows, model, tok, gen: RegenerateConfig, budget: int, parts:
                 part_stats[f"finish_{finish}"] += 1
                 new_tokens += len(new)
             ran += 1
+            faults.point("regenerate.batch")
             bar.update(len(batch))
             bar.set_postfix(tok_s=f"{new_tokens / (time.perf_counter() - start):.0f}")
         parts.save(first, part_rows, part_stats)
@@ -223,6 +225,7 @@ def run(
 
     out_path = Path(out)
     if out_path.is_file():
+        PartStore(out_path).clear()  # a kill between the final rename and the cleanup
         log.info("%s is complete; not redone", out_path)
         return True
     gen = cfg.regenerate

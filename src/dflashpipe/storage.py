@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import glob
 import hashlib
 import json
 import os
@@ -10,6 +11,8 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from dflashpipe import faults
 
 _UMASK = os.umask(0)
 os.umask(_UMASK)
@@ -24,19 +27,44 @@ def atomic_path(dest: str | Path) -> Iterator[Path]:
     """
     dest = Path(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent)
+    remove_stale_temps(dest)
+    fd, tmp = tempfile.mkstemp(
+        prefix=f".{dest.name}.{os.getpid()}.", suffix=".tmp", dir=dest.parent
+    )
     os.close(fd)
     tmp_path = Path(tmp)
     try:
         yield tmp_path
         os.chmod(tmp_path, 0o666 & ~_UMASK)  # mkstemp (and some writers) make 0600 files
+        faults.point("atomic.written")
         with open(tmp_path, "rb") as f:
             os.fsync(f.fileno())
+        faults.point("atomic.synced")
         os.replace(tmp_path, dest)
+        faults.point("atomic.renamed")
         _fsync_dir(dest.parent)
     except BaseException:
         tmp_path.unlink(missing_ok=True)
         raise
+
+
+def remove_stale_temps(dest: Path) -> None:
+    """Delete temporaries of `dest` left by writers that were killed (their process is gone).
+    A temporary's name carries its writer's pid; one of a live process is left alone."""
+    for tmp in dest.parent.glob(f".{glob.escape(dest.name)}.*.tmp"):
+        pid = tmp.name[len(dest.name) + 2 :].split(".", 1)[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            tmp.unlink(missing_ok=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
 
 
 def _fsync_dir(directory: Path) -> None:

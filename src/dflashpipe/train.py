@@ -32,7 +32,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from tqdm import tqdm
 
-from dflashpipe import checkpoint
+from dflashpipe import checkpoint, faults
 from dflashpipe.config import Config, load_config
 from dflashpipe.data import PackedBatches, epoch_plan, index_samples, make_loader
 from dflashpipe.errors import DataError, DflashpipeError
@@ -252,6 +252,7 @@ class Trainer:
                 self.optimizer.zero_grad(set_to_none=True)
                 self.scheduler.step()
                 self.step += 1
+                faults.point("train.step")
                 logger.maybe_write(self.step)
                 if self.step % self.tc["checkpoint_every"] == 0 or self.step >= self.total_steps:
                     logger.check_finite(self.step)

@@ -1,0 +1,206 @@
+"""Reliability suite, kills (issue 10): each stage job is SIGKILLed at seeded points drawn from
+the fault points an uninterrupted run passes (`dflashpipe.faults`), then run again; the result
+must equal the uninterrupted run's, with no temporary file left behind.
+
+- regenerate and extract: the final shard is byte-identical to the uninterrupted one;
+- train: the loss curve after the resume matches the uninterrupted one to float tolerance, and
+  the run ends with the same number of steps and an export.
+
+DFLASHPIPE_KILL_POINTS (default 10) sets the kills per stage, DFLASHPIPE_RELIABILITY_SEED the
+draw; every point is printed (pytest -s) with what the killed run left behind.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import random
+import shutil
+import signal
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from dflashpipe import faults
+from dflashpipe.config import Config
+
+KILLS = int(os.environ.get("DFLASHPIPE_KILL_POINTS", "10"))
+SEED = int(os.environ.get("DFLASHPIPE_RELIABILITY_SEED", "0"))
+TEMP_PATTERNS = (".*.tmp", "*.parts", ".*.parts")
+
+
+def _child(fn: Callable, args: tuple, env: dict) -> None:
+    os.environ.update(env)
+    faults.reset()
+    try:
+        fn(*args)
+    except BaseException:
+        traceback.print_exc()
+        os._exit(1)
+    os._exit(0)
+
+
+def _context():
+    """Jobs fork from a fork server that imported the stages once: no interpreter start-up per
+    run, and no locks inherited from this (threaded) test process, which a plain fork could
+    copy while held."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "transformers", "dflashpipe.regenerate",
+                                "dflashpipe.extract", "dflashpipe.train", __name__])  # fmt: skip
+    return ctx
+
+
+def run_job(fn: Callable, *args, kill_at: str | None = None, trace: Path | None = None) -> int:
+    """Run a stage job in a fresh process; its exit code (-9 when it was SIGKILLed)."""
+    env = {"TOKENIZERS_PARALLELISM": "false", "TQDM_DISABLE": "1"}
+    if kill_at:
+        env["DFLASHPIPE_KILL_AT"] = kill_at
+    if trace:
+        env["DFLASHPIPE_FAULT_TRACE"] = str(trace)
+    p = _context().Process(target=_child, args=(fn, args, env))
+    p.start()
+    p.join(timeout=600)
+    if p.exitcode is None:
+        p.kill()
+        pytest.fail(f"job {fn.__name__} hung (kill_at={kill_at})")
+    return p.exitcode
+
+
+def temp_files(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for pat in TEMP_PATTERNS for p in root.rglob(pat))
+
+
+def leftovers(root: Path) -> str:
+    """What a killed job left behind, for the printed table."""
+    names = sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
+    return ", ".join(names) or "-"
+
+
+def kill_points(trace: Path, n: int, seed: int) -> list[str]:
+    hits = trace.read_text().split()
+    assert len(hits) >= n, f"an uninterrupted run passes only {len(hits)} points: {hits}"
+    return sorted(random.Random(seed).sample(hits, n), key=hits.index)
+
+
+def kill_and_rerun(tmp_path: Path, stage: str, job: Callable, prepare: Callable[[Path], None],
+                   check: Callable[[Path, Path], None]) -> list[str]:  # fmt: skip
+    """The reference run, then one fresh directory per kill point: kill, rerun, check."""
+    ref = tmp_path / "reference"
+    prepare(ref)
+    trace = tmp_path / "trace.txt"
+    assert run_job(job, ref, trace=trace) == 0
+    report = []
+    for i, point in enumerate(kill_points(trace, KILLS, SEED)):
+        work = tmp_path / f"kill-{i:02d}"
+        prepare(work)
+        code = run_job(job, work, kill_at=point)
+        assert code == -signal.SIGKILL, f"{stage}: kill at {point} gave exit code {code}"
+        left = leftovers(work)
+        assert run_job(job, work) == 0, f"{stage}: rerun after a kill at {point} failed"
+        assert temp_files(work) == [], f"{stage}: temp files after the rerun ({point})"
+        check(ref, work)
+        report.append(f"{stage:<10} kill at {point:<22} left: {left}")
+    print("\n" + "\n".join(report))
+    return report
+
+
+# ----------------------------------------------------------------------------- the jobs
+def _config(work: Path, target: Path, **sections) -> Config:
+    raw = {
+        "target": {"model": str(target)},
+        "prompts": {"sources": [{"name": "x", "kind": "jsonl", "path": "unused.jsonl"}]},
+        "regenerate": {"shards": 1, "batch_size": 2, "max_new_tokens": 6, "save_every": 2},
+        "extract": {"max_length": 256, "token_budget": 160, "encode_workers": 2},
+        "drafter": {"target_layer_ids": [0, 1], "num_layers": 1, "block_size": 8},
+    }
+    for k, v in sections.items():
+        raw.setdefault(k, {}).update(v)
+    (work / "config.json").write_text(json.dumps(raw))
+    return Config.from_dict(raw)
+
+
+def regenerate_job(work: Path) -> None:
+    from dflashpipe.regenerate import run
+
+    cfg = Config.from_dict(json.loads((work / "config.json").read_text()))
+    run(cfg, str(work / "train.parquet"), 0, str(work / "out" / "shard-00000.parquet"))
+
+
+def extract_job(work: Path) -> None:
+    from dflashpipe.extract import run
+
+    cfg = Config.from_dict(json.loads((work / "config.json").read_text()))
+    run(cfg, str(work / "seq.parquet"), 0, str(work / "out" / "shard-00000.arrow"))
+
+
+def train_job(work: Path) -> None:
+    from dflashpipe.train import main
+
+    main(["--config", str(work / "config.yaml"), "--manifest", str(work / "manifest.json"),
+          "--run-dir", str(work / "run"), "--drafter", str(work / "drafter"),
+          "--metrics", str(work / "out" / "metrics.jsonl")])  # fmt: skip
+
+
+def same_bytes(ref: Path, work: Path) -> None:
+    for f in sorted((ref / "out").iterdir()):
+        assert (work / "out" / f.name).read_bytes() == f.read_bytes(), f"{f.name} differs"
+
+
+def _prompts(path: Path, n: int) -> None:
+    from dflashpipe.prompts import Prompt, prompt_key, write_prompts
+
+    prompts = []
+    for i in range(n):
+        msgs = [{"role": "user", "content": f"Question {i}? " + "more words " * (i % 5)}]
+        prompts.append(Prompt(prompt_key(msgs), "t", str(i), 0, msgs, "An answer.", f"f:{i}"))
+    write_prompts(path, prompts)
+
+
+@pytest.mark.slow
+def test_regenerate_survives_kills(tmp_path, tiny_target_dir):
+    def prepare(work: Path) -> None:
+        work.mkdir()
+        _config(work, tiny_target_dir)
+        _prompts(work / "train.parquet", 10)
+
+    kill_and_rerun(tmp_path, "regenerate", regenerate_job, prepare, same_bytes)
+
+
+@pytest.mark.slow
+def test_extract_survives_kills(tmp_path, tiny_target_dir, tiny_features):
+    seq = tiny_features["dir"] / "seq-0.parquet"  # 12 samples of the tiny target
+
+    def prepare(work: Path) -> None:
+        work.mkdir()
+        _config(work, tiny_target_dir)
+        shutil.copy(seq, work / "seq.parquet")
+
+    kill_and_rerun(tmp_path, "extract", extract_job, prepare, same_bytes)
+
+
+@pytest.mark.slow
+def test_train_survives_kills(tmp_path, tiny_features):
+    from conftest import write_yaml
+
+    raw = json.loads(json.dumps(tiny_features["raw"]))
+    raw["train"].update(epochs=1, log_every=1, checkpoint_every=2, keep_checkpoints=2)
+
+    def prepare(work: Path) -> None:
+        work.mkdir()
+        write_yaml(work / "config.yaml", raw)
+        shutil.copy(tiny_features["manifest"], work / "manifest.json")
+
+    def check(ref: Path, work: Path) -> None:
+        whole = [
+            json.loads(x) for x in (ref / "out" / "metrics.jsonl").read_text().split("\n") if x
+        ]
+        got = [json.loads(x) for x in (work / "out" / "metrics.jsonl").read_text().split("\n") if x]
+        assert [r["step"] for r in got] == [r["step"] for r in whole]
+        for a, b in zip(whole, got, strict=True):
+            assert b["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-5), a["step"]
+        assert (work / "drafter" / "model.safetensors").is_file()
+
+    kill_and_rerun(tmp_path, "train", train_job, prepare, check)
