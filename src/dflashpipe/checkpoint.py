@@ -80,9 +80,38 @@ def latest(run_dir: Path) -> Path | None:
     return done[-1] if done else None
 
 
+def load_latest(run_dir: Path, fingerprint: dict) -> tuple[Path, dict] | None:
+    """The newest checkpoint that can be read, and its state; None when there is none.
+
+    A checkpoint made for another drafter or data is refused (not skipped); one that cannot be
+    read (a damaged disk, a file cut short by hand) is passed over for the next older, with a
+    warning. If checkpoints exist but none can be read, that is an error naming them."""
+    latest(run_dir)  # removes half-written ones
+    found = sorted(
+        (p for p in run_dir.glob(f"{PREFIX}*") if (p / "state.pt").is_file()), reverse=True
+    )
+    broken = []
+    for path in found:
+        try:
+            return path, load(path, fingerprint)
+        except DataError:
+            raise
+        except Exception as e:  # torch.load / json on a damaged file: many exception types
+            log.warning("checkpoint %s cannot be read (%s); trying an older one", path, e)
+            broken.append(f"{path} ({type(e).__name__})")
+    if broken:
+        raise DataError(
+            f"checkpoint(s) {', '.join(broken)} cannot be read; move {run_dir} away to start afresh"
+        )
+    return None
+
+
 def load(path: Path, fingerprint: dict) -> dict:
     """The state of checkpoint `path`, refused when it was made for another drafter or data."""
-    saved = json.loads((path / "fingerprint.json").read_text())
+    try:
+        saved = json.loads((path / "fingerprint.json").read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"fingerprint.json unreadable: {e}") from None
     for key, want in fingerprint.items():
         if saved.get(key) != want:
             raise DataError(

@@ -51,7 +51,9 @@ def index_samples(shard_paths: list[Path], tokens: int, stats: dict) -> list[Sam
                 continue
             samples.append(Sample(s, row, n_used))
     if not samples:
-        raise DataError(f"no trainable samples in {[str(p) for p in shard_paths]}")
+        raise DataError(
+            f"no trainable samples in {[str(p) for p in shard_paths]} (skipped: {stats})"
+        )
     return samples
 
 

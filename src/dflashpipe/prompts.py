@@ -22,6 +22,7 @@ import pyarrow.parquet as pq
 from tqdm import tqdm
 
 from dflashpipe.config import PromptsConfig, SourceConfig
+from dflashpipe.errors import DataError
 from dflashpipe.sources import DropLog, RawConversation, read_source
 from dflashpipe.storage import atomic_path, write_json
 
@@ -129,6 +130,9 @@ def collect(src: SourceConfig, cfg: PromptsConfig, stats: dict) -> list[Prompt]:
         prompts += _prompts_of(raw, src, cfg, drops)
     stats.update(conversations=n_conv, prompts=len(prompts), dropped=drops.counts)
     stats["drop_examples"] = drops.examples
+    if n_conv == 0:
+        where = src.path or src.dataset
+        raise DataError(f"prompts.sources '{src.name}': {where} holds no conversations")
     return prompts
 
 

@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
-from dflashpipe.codecs import Encoded, decode
+from dflashpipe.codecs import CODECS, Encoded, decode
 from dflashpipe.errors import DataError, IntegrityError
 from dflashpipe.storage import sha256_file
 
@@ -64,6 +64,8 @@ class ShardInfo:
                 raise DataError(
                     f"{path}: format version {m['format_version']}, expected {FORMAT_VERSION}"
                 )
+            if m["codec"] not in CODECS:
+                raise DataError(f"{path}: unknown codec {m['codec']!r}; known: {list(CODECS)}")
             return cls(
                 m["codec"],
                 json.loads(m["layer_ids"]),
@@ -207,8 +209,16 @@ def verify_shard(path: Path, manifest: dict) -> None:
     entry = next((s for s in manifest["shards"] if Path(s["path"]).name == path.name), None)
     if entry is None:
         raise DataError(f"{path} is not listed in the feature manifest")
+    if not path.is_file():
+        raise DataError(f"feature shard not found: {path} (listed in the manifest)")
     got = sha256_file(path)
     if got != entry["sha256"]:
         raise IntegrityError(
             f"{path}: sha256 {got} does not match the manifest's {entry['sha256']}"
         )
+    info = FeatureShard(path).info
+    for key in ("codec", "layer_ids", "hidden_size"):
+        if getattr(info, key) != manifest.get(key):
+            raise DataError(
+                f"{path}: {key} {getattr(info, key)!r} differs from the manifest's {manifest.get(key)!r}"
+            )

@@ -162,9 +162,12 @@ def _jsonl_records(path: Path, text: str, drops: DropLog) -> Iterator[tuple[str,
 def _read_text(path: Path) -> str:
     if not path.is_file():
         raise DataError(f"prompt source file not found: {path}")
-    raw = path.read_bytes()
-    if path.suffix == ".gz":
-        raw = gzip.decompress(raw)
+    try:
+        raw = path.read_bytes()
+        if path.suffix == ".gz":
+            raw = gzip.decompress(raw)
+    except (OSError, EOFError) as e:  # permissions, I/O errors, a cut-off .gz
+        raise DataError(f"{path}: cannot be read ({getattr(e, 'strerror', None) or e})") from None
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as e:

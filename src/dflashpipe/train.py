@@ -86,6 +86,17 @@ def step_flops(
     return 3 * cfg.num_layers * (per_layer + attention) + 2 * fc + 2 * head
 
 
+def read_manifest(path: Path) -> dict:
+    if not path.is_file():
+        raise DataError(f"feature manifest not found: {path}")
+    try:
+        manifest = json.loads(path.read_text())
+        manifest["shards"], manifest["layer_ids"]
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
+        raise DataError(f"{path}: not a feature manifest ({type(e).__name__}: {e})") from None
+    return manifest
+
+
 def compute_head(drafter: Drafter, device: torch.device) -> torch.Tensor:
     """The frozen LM head as the loss multiplies it: bf16 on GPU (a float32 head would run the
     biggest matmul of the step, rows x vocab, at a fraction of the tensor cores' rate; the
@@ -114,7 +125,7 @@ class Trainer:
         run_dir.mkdir(parents=True, exist_ok=True)
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
-        self.manifest = json.loads(Path(manifest_path).read_text())
+        self.manifest = read_manifest(Path(manifest_path))
         self.shards = [Path(s["path"]) for s in self.manifest["shards"]]
         self.tokens = self.tc["micro_batch_tokens"] or self.tc["max_length"]
         self._build_model()
@@ -193,10 +204,10 @@ class Trainer:
                 "scheduler": self.scheduler.state_dict(), "data": {"epoch": self.epoch, "micro": self.micro}}  # fmt: skip
 
     def _resume(self) -> None:
-        path = checkpoint.latest(self.run_dir)
-        if path is None:
+        found = checkpoint.load_latest(self.run_dir, self.fingerprint)
+        if found is None:
             return
-        state = checkpoint.load(path, self.fingerprint)
+        path, state = found
         self.drafter.load_state_dict(state["model"], strict=False)
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])

@@ -1,0 +1,601 @@
+"""Reliability suite, bad inputs (issue 10): a catalogue of broken inputs across config, prompt
+sources, sequence shards, feature shards, manifests, checkpoints and drafter exports.
+
+Each row of CATALOGUE breaks one input and names the stage that meets it, what must happen (an
+error whose message matches, or a counted skip) and the downstream outputs that must not exist
+afterwards. The table in tests/RELIABILITY.md is this list.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import yaml
+from conftest import REPO, write_yaml
+
+from dflashpipe.cli import main as cli
+from dflashpipe.config import Config
+from dflashpipe.errors import DflashpipeError
+from dflashpipe.storage import sha256_file
+
+
+@dataclass
+class Case:
+    id: str
+    area: str
+    what: str
+    expect: str  # a regex of the error message, or "skip:<stats key>=<count>"
+    setup: Callable  # (Env) -> (run: Callable[[], None], outputs: list[Path], stats: Path | None)
+    outputs: list[str] = field(default_factory=list)
+
+
+CATALOGUE: list[Case] = []
+
+
+def case(id: str, area: str, what: str, expect: str):
+    def register(fn):
+        CATALOGUE.append(Case(id, area, what, expect, fn))
+        return fn
+
+    return register
+
+
+class Env:
+    """The fixtures a case may break copies of."""
+
+    def __init__(self, tmp: Path, target: Path, features: dict, data: Path):
+        self.tmp, self.target, self.features, self.data = tmp, target, features, data
+
+    def raw(self, **sections) -> dict:
+        raw = json.loads(json.dumps(self.features["raw"]))
+        for k, v in sections.items():
+            raw.setdefault(k, {}).update(v)
+        return raw
+
+    def config(self, **sections) -> Path:
+        return write_yaml(self.tmp / "config.yaml", self.raw(**sections))
+
+    def copy_features(self) -> tuple[Path, list[Path]]:
+        d = self.tmp / "features"
+        shutil.copytree(self.features["dir"], d)
+        manifest = json.loads((d / "manifest.json").read_text())
+        for s in manifest["shards"]:
+            s["path"] = str(d / Path(s["path"]).name)
+        (d / "manifest.json").write_text(json.dumps(manifest))
+        return d / "manifest.json", [Path(s["path"]) for s in manifest["shards"]]
+
+
+def stage(*argv: str) -> Callable[[], None]:
+    """The stage through its CLI, as a Snakemake job runs it; an error becomes an exception."""
+
+    def run() -> None:
+        import contextlib
+        import io
+
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            code = cli(list(argv))
+        if code:
+            text = err.getvalue()
+            raise DflashpipeError(text[text.rfind("error: ") :].strip())
+
+    return run
+
+
+def train_run(env: Env, config: Path, manifest: Path) -> tuple[Callable, list[Path]]:
+    from dflashpipe.train import main
+
+    out = env.tmp / "train"
+    argv = ["--config", str(config), "--manifest", str(manifest), "--run-dir", str(out / "run"),
+            "--drafter", str(out / "drafter"), "--metrics", str(out / "metrics.jsonl")]  # fmt: skip
+    return (lambda: main(argv)), [out / "drafter" / "model.safetensors", out / "metrics.jsonl"]
+
+
+def prompts_run(env: Env, sources: list[dict]) -> tuple[Callable, list[Path]]:
+    raw = env.raw()
+    raw["prompts"] = {"sources": sources, "min_chars": 1}
+    config = write_yaml(env.tmp / "config.yaml", raw)
+    outs = [env.tmp / "p" / n for n in ("train.parquet", "eval.parquet", "stats.json")]
+    argv = ["prompts", "--config", str(config), "--train", str(outs[0]), "--eval", str(outs[1]),
+            "--stats", str(outs[2])]  # fmt: skip
+    return stage(*argv), outs
+
+
+def extract_run(env: Env, config: Path, sequences: Path) -> tuple[Callable, list[Path]]:
+    out = env.tmp / "out" / "shard-00000.arrow"
+    argv = ["extract", "--config", str(config), "--sequences", str(sequences), "--shard", "0",
+            "--out", str(out)]  # fmt: skip
+    return stage(*argv), [out]
+
+
+def check_config(env: Env, raw: dict) -> tuple[Callable, list[Path]]:
+    config = write_yaml(env.tmp / "config.yaml", raw)
+    out = env.tmp / "resolved.yaml"
+    return stage("check-config", "--config", str(config), "--write-resolved", str(out)), [out]
+
+
+# ------------------------------------------------------------------------------------ config
+@case("config-unknown-key", "config", "a misspelt key", r"extract.*unknown key.*codek")
+def _(env):
+    raw = env.raw()
+    raw["extract"]["codek"] = "raw"
+    return check_config(env, raw)
+
+
+@case("config-wrong-type", "config", "a string where a number belongs", r"regenerate\.batch_size")
+def _(env):
+    return check_config(env, env.raw(regenerate={"batch_size": "big"}))
+
+
+@case("config-codec", "config", "a codec name that does not exist", r"extract\.codec.*gzip")
+def _(env):
+    return check_config(env, env.raw(extract={"codec": "gzip"}))
+
+
+@case(
+    "config-duplicate-devices",
+    "config",
+    "a GPU listed twice",
+    r"devices\.train.*more than once|devices\.train.*unique|non-unique",
+)
+def _(env):
+    return check_config(env, env.raw(devices={"train": [0, 0]}))
+
+
+@case("config-device-range", "config", "a GPU index the machine lacks", r"devices\.extract.*7")
+def _(env):
+    config = env.config(devices={"extract": [7]})
+    seq = env.features["dir"] / "seq-0.parquet"
+    return extract_run(env, config, seq)
+
+
+@case("config-missing-target", "config", "no target.model", r"target.*model")
+def _(env):
+    raw = env.raw()
+    del raw["target"]["model"]
+    return check_config(env, raw)
+
+
+@case("config-not-yaml", "config", "a config file that is not YAML", r"not valid YAML")
+def _(env):
+    config = env.tmp / "config.yaml"
+    config.write_text("target: {model: [unclosed\n")
+    return stage(
+        "check-config", "--config", str(config), "--write-resolved", str(env.tmp / "r.yaml")
+    ), [env.tmp / "r.yaml"]
+
+
+# ---------------------------------------------------------------------------- prompt sources
+@case(
+    "source-missing",
+    "prompt sources",
+    "a source file that does not exist",
+    r"prompt source file not found: .*nothere\.jsonl",
+)
+def _(env):
+    return prompts_run(
+        env, [{"name": "x", "kind": "jsonl", "path": str(env.tmp / "nothere.jsonl")}]
+    )
+
+
+@case(
+    "source-empty",
+    "prompt sources",
+    "an empty source file",
+    r"prompts\.sources 'x': .*empty\.jsonl holds no conversations",
+)
+def _(env):
+    (env.tmp / "empty.jsonl").write_text("")
+    return prompts_run(env, [{"name": "x", "kind": "jsonl", "path": str(env.tmp / "empty.jsonl")}])
+
+
+@case("source-not-utf8", "prompt sources", "a source file that is not UTF-8", r"not UTF-8")
+def _(env):
+    (env.tmp / "bin.jsonl").write_bytes(b"\xff\xfe\x00garbage\n")
+    return prompts_run(env, [{"name": "x", "kind": "jsonl", "path": str(env.tmp / "bin.jsonl")}])
+
+
+@case(
+    "source-bad-parquet",
+    "prompt sources",
+    "a .parquet source that is not Parquet",
+    r"not a readable Parquet file",
+)
+def _(env):
+    (env.tmp / "x.parquet").write_text("just text")
+    return prompts_run(env, [{"name": "x", "kind": "parquet", "path": str(env.tmp / "x.parquet")}])
+
+
+@case(
+    "source-unreadable",
+    "prompt sources",
+    "a source file without read permission",
+    r"messages\.jsonl: cannot be read \(Permission denied\)",
+)
+def _(env):
+    src = env.data / "messages.jsonl"
+    src.chmod(0)
+    run, outs = prompts_run(env, [{"name": "x", "kind": "jsonl", "path": str(src)}])
+    argv = [sys.executable, "-m", "dflashpipe", "prompts", "--config", str(env.tmp / "config.yaml"),
+            "--train", str(outs[0]), "--eval", str(outs[1]), "--stats", str(outs[2])]  # fmt: skip
+    if os.geteuid() == 0:  # root reads anything: drop the capabilities that let it
+        argv = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search", *argv]
+
+    def run_unprivileged() -> None:
+        env_vars = dict(os.environ, PYTHONPATH=str(REPO / "src"))
+        done = subprocess.run(argv, capture_output=True, text=True, env=env_vars)
+        if done.returncode:
+            raise DflashpipeError(done.stderr[done.stderr.rfind("error: ") :].strip())
+
+    return run_unprivileged, outs
+
+
+# --------------------------------------------------------------------------- sequence shards
+@case(
+    "sequences-other-tokenizer",
+    "sequence shards",
+    "a sequences shard made with another tokenizer",
+    r"seq\.parquet was made by target .*tokenizer_sha256 0{64}.*but the configured target",
+)
+def _(env):
+    seq = env.tmp / "seq.parquet"
+    table = pq.read_table(env.features["dir"] / "seq-0.parquet")
+    meta = dict(table.schema.metadata)
+    target = json.loads(meta[b"target"])
+    target["tokenizer_sha256"] = "0" * 64
+    meta[b"target"] = json.dumps(target).encode()
+    pq.write_table(table.replace_schema_metadata(meta), seq)
+    return extract_run(env, env.config(), seq)
+
+
+@case(
+    "sequences-missing",
+    "sequence shards",
+    "a sequences shard that does not exist",
+    r"sequences shard not found",
+)
+def _(env):
+    return extract_run(env, env.config(), env.tmp / "nothere.parquet")
+
+
+@case(
+    "sequences-too-long",
+    "sequence shards",
+    "sequences longer than extract.max_length, overflow: skip",
+    "skip:too_long=12",
+)
+def _(env):
+    return extract_run(
+        env,
+        env.config(extract={"max_length": 4, "overflow": "skip"}),
+        env.features["dir"] / "seq-0.parquet",
+    )
+
+
+@case("features-nan", "sequence shards", "a target whose activations are NaN", "skip:nan_or_inf=12")
+def _(env):
+    from safetensors.torch import load_file, save_file
+
+    target = env.tmp / "nan-target"
+    shutil.copytree(env.target, target)
+    weights = load_file(target / "model.safetensors")
+    weights["model.layers.0.mlp.down_proj.weight"].fill_(float("nan"))
+    save_file(weights, target / "model.safetensors", metadata={"format": "pt"})
+    config = env.config(target={"model": str(target)})
+    # the identity check would refuse the old shard (other weights): make it with this target
+    seq = env.tmp / "seq.parquet"
+    table = pq.read_table(env.features["dir"] / "seq-0.parquet")
+    from dflashpipe.target import load_tokenizer, target_identity
+
+    cfg = Config.from_dict(yaml.safe_load(config.read_text()))
+    meta = dict(table.schema.metadata)
+    meta[b"target"] = target_identity(cfg.target, load_tokenizer(cfg.target)).to_json().encode()
+    pq.write_table(table.replace_schema_metadata(meta), seq)
+    return extract_run(env, config, seq)
+
+
+# ---------------------------------------------------------------------- feature shards, manifest
+@case(
+    "features-truncated",
+    "feature shards",
+    "a feature shard cut short",
+    r"shard-00000\.arrow.*(sha256|not an Arrow IPC file)",
+)
+def _(env):
+    manifest, shards = env.copy_features()
+    data = shards[0].read_bytes()
+    shards[0].write_bytes(data[: len(data) // 2])
+    return train_run(env, env.config(), manifest)
+
+
+@case(
+    "features-bitflip",
+    "feature shards",
+    "one flipped byte in a feature shard (wrong sha256)",
+    r"shard-00001\.arrow.*sha256",
+)
+def _(env):
+    manifest, shards = env.copy_features()
+    data = bytearray(shards[1].read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shards[1].write_bytes(bytes(data))
+    return train_run(env, env.config(), manifest)
+
+
+@case(
+    "features-layer-ids",
+    "manifest",
+    "drafter.target_layer_ids differ from the shards' layers",
+    r"layer_ids is \[0, 1\].*needs \[1, 0\]",
+)
+def _(env):
+    manifest, _ = env.copy_features()
+    return train_run(env, env.config(drafter={"target_layer_ids": [1, 0]}), manifest)
+
+
+@case(
+    "features-tokenizer",
+    "manifest",
+    "features made with another tokenizer",
+    r"target\.tokenizer_sha256 is '0+'",
+)
+def _(env):
+    manifest, _ = env.copy_features()
+    m = json.loads(manifest.read_text())
+    m["target"]["tokenizer_sha256"] = "0" * 64
+    manifest.write_text(json.dumps(m))
+    return train_run(env, env.config(), manifest)
+
+
+@case(
+    "manifest-missing-shard",
+    "manifest",
+    "a shard listed in the manifest is gone",
+    r"feature shard not found: .*shard-00001\.arrow \(listed in the manifest\)",
+)
+def _(env):
+    manifest, shards = env.copy_features()
+    shards[1].unlink()
+    return train_run(env, env.config(), manifest)
+
+
+@case(
+    "manifest-not-json",
+    "manifest",
+    "a manifest that is not JSON",
+    r"manifest\.json: not a feature manifest \(JSONDecodeError",
+)
+def _(env):
+    manifest, _ = env.copy_features()
+    manifest.write_text("{not json")
+    return train_run(env, env.config(), manifest)
+
+
+@case(
+    "features-codec",
+    "feature shards",
+    "a shard whose metadata names an unknown codec",
+    r"shard-00000\.arrow: unknown codec 'zip'",
+)
+def _(env):
+    manifest, shards = env.copy_features()
+    reader = pa.ipc.open_file(pa.BufferReader(shards[0].read_bytes()))
+    table = reader.read_all()
+    meta = dict(reader.schema.metadata)
+    meta[b"codec"] = b"zip"
+    with (
+        pa.OSFile(str(shards[0]), "wb") as sink,
+        pa.ipc.new_file(sink, table.schema.with_metadata(meta)) as w,
+    ):
+        w.write_table(table)
+    m = json.loads(manifest.read_text())
+    m["shards"][0]["sha256"] = sha256_file(shards[0])  # a consistent manifest: the codec decides
+    manifest.write_text(json.dumps(m))
+    return train_run(env, env.config(), manifest)
+
+
+@case(
+    "features-manifest-codec",
+    "manifest",
+    "a manifest whose codec differs from its shards'",
+    r"shard-00000\.arrow: codec 'bf16-zstd' differs from the manifest's 'fp8-zstd'",
+)
+def _(env):
+    manifest, _ = env.copy_features()
+    m = json.loads(manifest.read_text())
+    m["codec"] = "fp8-zstd"
+    manifest.write_text(json.dumps(m))
+    return train_run(env, env.config(), manifest)
+
+
+@case(
+    "features-no-supervised",
+    "feature shards",
+    "samples without one supervised token (counted, then nothing is left)",
+    r"no trainable samples .*skipped: \{'no_supervised_tokens': 24\}",
+)
+def _(env):
+    """Every sample's loss mask zeroed: each is skipped and counted, then training has nothing."""
+    manifest, shards = env.copy_features()
+    for path in shards:
+        reader = pa.ipc.open_file(pa.BufferReader(path.read_bytes()))  # not mapped: rewritten
+        table, schema = reader.read_all(), reader.schema
+        masks = pa.array([[0] * len(m) for m in table.column("loss_mask").to_pylist()],
+                         pa.list_(pa.uint8()))  # fmt: skip
+        table = table.set_column(table.schema.get_field_index("loss_mask"), "loss_mask", masks)
+        with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, schema) as w:
+            w.write_table(table)
+    from dflashpipe.shards import build_manifest
+
+    m = build_manifest(shards)
+    manifest.write_text(json.dumps(m))
+    run, outs = train_run(env, env.config(), manifest)
+    return run, outs
+
+
+# ------------------------------------------------------------------------------- checkpoints
+@case(
+    "checkpoint-other-config",
+    "checkpoints",
+    "a checkpoint made for another drafter",
+    r"checkpoint .*step-\d+ was made with drafter\.num_layers=2",
+)
+def _(env):
+    manifest, _ = env.copy_features()
+    run, outs = train_run(
+        env,
+        env.config(train={"max_steps": 2, "checkpoint_every": 2}, drafter={"num_layers": 2}),
+        manifest,
+    )
+    run()  # a finished run with 2 layers leaves its checkpoints
+    for p in outs:
+        p.unlink()
+    return train_run(env, env.config(), manifest)
+
+
+@case(
+    "checkpoint-corrupt",
+    "checkpoints",
+    "the newest checkpoint's state file is truncated",
+    r"checkpoint\(s\) .*step-00000002 \(.*\) cannot be read; move .* away",
+)
+def _(env):
+    manifest, _ = env.copy_features()
+    config = env.config(train={"max_steps": 2, "checkpoint_every": 2})
+    run, outs = train_run(env, config, manifest)
+    run()
+    for p in outs:
+        p.unlink()
+    state = env.tmp / "train" / "run" / "step-00000002" / "state.pt"
+    state.write_bytes(state.read_bytes()[:100])
+    return train_run(env, config, manifest)
+
+
+# ---------------------------------------------------------------------------- drafter exports
+def _export(env: Env, edit: Callable[[dict], None]) -> tuple[Callable, list[Path]]:
+    manifest, _ = env.copy_features()
+    run, _ = train_run(env, env.config(train={"max_steps": 1}), manifest)
+    run()
+    drafter = env.tmp / "train" / "drafter"
+    cfg = json.loads((drafter / "config.json").read_text())
+    edit(cfg)
+    (drafter / "config.json").write_text(json.dumps(cfg))
+    prompts = env.tmp / "eval.parquet"
+    rows = [
+        {"prompt_id": "a", "source": "s", "messages": [{"role": "user", "content": "Hi there?"}]}
+    ]
+    pq.write_table(pa.Table.from_pylist(rows), prompts)
+    out = env.tmp / "eval" / "metrics.json"
+    argv = ["evaluate", "--target", str(env.target), "--drafter", str(drafter), "--prompts",
+            str(prompts), "--out", str(out), "--num-prompts", "1", "--max-new-tokens", "4",
+            "--device", "cpu"]  # fmt: skip
+    return stage(*argv), [out]
+
+
+@case(
+    "drafter-layers",
+    "drafter exports",
+    "target_layer_ids beyond the target's layers",
+    r"target_layer_ids \[0, 9\] must be non-empty layer indices of the 2-layer target",
+)
+def _(env):
+    return _export(env, lambda c: c["dflash_config"].update(target_layer_ids=[0, 9]))
+
+
+@case(
+    "drafter-hidden",
+    "drafter exports",
+    "a drafter of another hidden size",
+    r"hidden_size is 128 in the drafter but 64 in the target",
+)
+def _(env):
+    return _export(env, lambda c: c.update(hidden_size=128))
+
+
+@case(
+    "drafter-vocab",
+    "drafter exports",
+    "a drafter of another vocabulary",
+    r"vocab_size is 1000 in the drafter",
+)
+def _(env):
+    return _export(env, lambda c: c.update(vocab_size=1000))
+
+
+@case(
+    "drafter-no-weights",
+    "drafter exports",
+    "an export without model.safetensors",
+    r"model\.safetensors",
+)
+def _(env):
+    run, outs = _export(env, lambda c: None)
+    (env.tmp / "train" / "drafter" / "model.safetensors").unlink()
+    return run, outs
+
+
+@case("eval-empty", "drafter exports", "an empty eval prompt table", r"holds no prompts")
+def _(env):
+    run, outs = _export(env, lambda c: None)
+    pq.write_table(
+        pa.Table.from_pylist([], pa.schema([("prompt_id", pa.string())])), env.tmp / "eval.parquet"
+    )
+    return run, outs
+
+
+# ----------------------------------------------------------------------------------- the test
+@pytest.fixture
+def env(tmp_path, tiny_target_dir, tiny_features, data_dir):
+    return Env(tmp_path, tiny_target_dir, tiny_features, data_dir)
+
+
+def _stats_of(outputs: list[Path], env: Env) -> dict:
+    """The skip counts a stage left: the feature shard's .stats.json or the train summary."""
+    for p in [
+        *outputs,
+        env.tmp / "out" / "shard-00000.stats.json",
+        env.tmp / "train" / "run" / "summary.json",
+    ]:
+        if p.name.endswith("stats.json") and p.is_file():
+            return json.loads(p.read_text())["skipped"]
+        if p.name == "summary.json" and p.is_file():
+            return json.loads(p.read_text())["skipped"]
+    return {}
+
+
+@pytest.mark.parametrize("c", CATALOGUE, ids=[c.id for c in CATALOGUE])
+def test_bad_input(c: Case, env: Env, capfd):
+    run, outputs = c.setup(env)
+    if c.expect.startswith("skip:"):
+        key, count = c.expect[5:].split("=")
+        try:
+            run()
+        except DflashpipeError as e:  # a skip may leave nothing to do: that must say so
+            assert "no trainable samples" in str(e) or "no samples" in str(e), str(e)
+        stats = _stats_of(outputs, env)
+        if not stats:  # an error after counting: the counts are in the log line
+            pytest.fail(f"{c.id}: no skip counts found")
+        assert stats.get(key) == int(count), stats
+        return
+    with pytest.raises(DflashpipeError) as info:
+        run()
+    import re
+
+    assert re.search(c.expect, str(info.value), re.S), f"{c.id}: {info.value}"
+    for p in outputs:
+        assert not p.exists(), f"{c.id}: {p} was written"
+
+
+def test_catalogue_is_large_enough():
+    areas = {c.area for c in CATALOGUE}
+    assert len(CATALOGUE) >= 25 and len(areas) >= 7, (len(CATALOGUE), areas)
