@@ -18,6 +18,7 @@ import os
 import random
 import shutil
 import signal
+import subprocess
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -204,3 +205,66 @@ def test_train_survives_kills(tmp_path, tiny_features):
         assert (work / "drafter" / "model.safetensors").is_file()
 
     kill_and_rerun(tmp_path, "train", train_job, prepare, check)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 96 KiB tmpfs where the machine lets us mount one; else a process file-size limit
+    (RLIMIT_FSIZE: writes past it fail with EFBIG, as they would on a full disk)."""
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    mounted = (
+        shutil.which("mount") is not None
+        and subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=96k", "tmpfs", str(mnt)], capture_output=True
+        ).returncode
+        == 0  # fmt: skip
+    )
+    yield mnt, mounted
+    if mounted:
+        subprocess.run(["umount", str(mnt)], check=False)
+
+
+def _extract_cli(work: Path, out: Path, limit: int | None) -> subprocess.CompletedProcess:
+    import resource
+    import sys
+
+    def limit_size() -> None:
+        if limit is not None:
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+            resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    cfg = json.loads((work / "config.json").read_text())
+    (work / "config.yaml").write_text(json.dumps(cfg))  # JSON is YAML
+    argv = [sys.executable, "-m", "dflashpipe", "extract", "--config", str(work / "config.yaml"),
+            "--sequences", str(work / "seq.parquet"), "--shard", "0", "--out", str(out)]  # fmt: skip
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
+    return subprocess.run(argv, capture_output=True, text=True, env=env, preexec_fn=limit_size)
+
+
+@pytest.mark.slow
+def test_extract_on_a_full_disk(tmp_path, tiny_target_dir, tiny_features, small_disk):
+    """Extract into a too-small place fails with a clear message and leaves nothing behind; with
+    space, a rerun completes with the same bytes as a run that never failed."""
+    mnt, mounted = small_disk
+    work = tmp_path / "w"
+    work.mkdir()
+    _config(work, tiny_target_dir)
+    shutil.copy(tiny_features["dir"] / "seq-0.parquet", work / "seq.parquet")
+    ref = tmp_path / "ref" / "shard-00000.arrow"
+    assert _extract_cli(work, ref, None).returncode == 0
+    assert ref.stat().st_size > 96 * 1024  # too big for the small place
+    out = mnt / "features" / "shard-00000.arrow"
+    done = _extract_cli(work, out, None if mounted else 96 * 1024)
+    assert done.returncode == 2, done.stderr[-2000:]
+    message = next(line for line in done.stderr.splitlines() if "error:" in line)
+    assert "No space left on device" in message or "File too large" in message, message
+    assert f"cannot write {out}" in message and "Free space" in message, message
+    assert not out.exists() and temp_files(mnt) == [], sorted(mnt.rglob("*"))
+    print(f"\nfull disk ({'tmpfs 96 KiB' if mounted else 'RLIMIT_FSIZE 96 KiB'}): {message}")
+    if mounted:
+        subprocess.run(["mount", "-o", "remount,size=8m", str(mnt)], check=True)
+    else:
+        out = tmp_path / "roomy" / "shard-00000.arrow"  # no limit: "space" again
+    assert _extract_cli(work, out, None).returncode == 0
+    assert out.read_bytes() == ref.read_bytes()

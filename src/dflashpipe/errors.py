@@ -15,3 +15,7 @@ class DataError(DflashpipeError):
 
 class IntegrityError(DflashpipeError):
     """A checksum does not match the recorded one."""
+
+
+class DiskFullError(DflashpipeError):
+    """An output could not be written for lack of space (or a file size limit)."""

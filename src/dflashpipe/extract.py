@@ -241,29 +241,31 @@ class Extractor:
             total=sum(len(r["input_ids"]) for r in rows), desc="extract", unit=" tok", mininterval=2
         )
         start, pending = time.perf_counter(), None
-        with atomic_path(out) as tmp:
-            schema = record_batch([]).schema.with_metadata(info.metadata())
-            writer = ShardWriter(tmp, schema, depth=4)
-            writer.start()
-            try:
-                for batch in batches:
-                    launched = self._launch([rows[i] for i in batch])
+        try:
+            with atomic_path(out) as tmp:
+                schema = record_batch([]).schema.with_metadata(info.metadata())
+                writer = ShardWriter(tmp, schema, depth=4)
+                writer.start()
+                try:
+                    for batch in batches:
+                        launched = self._launch([rows[i] for i in batch])
+                        if pending is not None:
+                            self._hand_over(pending, writer, stats)
+                            self._progress(bar, pending[0], writer, start)
+                        pending = launched
                     if pending is not None:
                         self._hand_over(pending, writer, stats)
                         self._progress(bar, pending[0], writer, start)
-                    pending = launched
-                if pending is not None:
-                    self._hand_over(pending, writer, stats)
-                    self._progress(bar, pending[0], writer, start)
-                self.timing["loop"] += time.perf_counter() - start
-            finally:
-                writer.queue.put(None)
-                writer.join()
-            if writer.error is not None:
-                raise writer.error
-            if before_rename is not None:
-                before_rename()
-        bar.close()
+                    self.timing["loop"] += time.perf_counter() - start
+                finally:
+                    writer.queue.put(None)
+                    writer.join()
+                if writer.error is not None:
+                    raise writer.error
+                if before_rename is not None:
+                    before_rename()
+        finally:
+            bar.close()
 
     def _progress(self, bar: tqdm, rows: list[dict], writer: ShardWriter, start: float) -> None:
         tokens = sum(len(r["input_ids"]) for r in rows)

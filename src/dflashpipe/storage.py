@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import glob
 import hashlib
 import json
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from dflashpipe import faults
+from dflashpipe.errors import DiskFullError
 
 _UMASK = os.umask(0)
 os.umask(_UMASK)
@@ -43,6 +45,14 @@ def atomic_path(dest: str | Path) -> Iterator[Path]:
         os.replace(tmp_path, dest)
         faults.point("atomic.renamed")
         _fsync_dir(dest.parent)
+    except OSError as e:
+        tmp_path.unlink(missing_ok=True)
+        if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+            raise DiskFullError(
+                f"cannot write {dest}: {os.strerror(e.errno)}; the partial file was removed, "
+                f"nothing of {dest.name} is left behind. Free space in {dest.parent} and rerun."
+            ) from e
+        raise
     except BaseException:
         tmp_path.unlink(missing_ok=True)
         raise
