@@ -24,6 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from conftest import REPO
 
 from dflashpipe import faults
 from dflashpipe.config import Config
@@ -268,3 +269,87 @@ def test_extract_on_a_full_disk(tmp_path, tiny_target_dir, tiny_features, small_
         out = tmp_path / "roomy" / "shard-00000.arrow"  # no limit: "space" again
     assert _extract_cli(work, out, None).returncode == 0
     assert out.read_bytes() == ref.read_bytes()
+
+
+# ------------------------------------------------------------ killing Snakemake itself
+RESUME_FLAGS = ("--rerun-incomplete",)  # README "Interrupted runs": unlock, then these
+
+
+def _workflow_config(tmp_path: Path, target: Path, data_dir: Path) -> Path:
+    from conftest import base_config, write_yaml
+
+    raw = base_config(data_dir, max_train=8, min_chars=1)
+    raw["target"] = {"model": str(target)}
+    raw.update(
+        regenerate={"shards": 2, "batch_size": 4, "max_new_tokens": 8, "save_every": 4},
+        extract={"max_length": 256, "token_budget": 512},
+        drafter={"target_layer_ids": [0, 1], "num_layers": 1, "block_size": 8},
+        train={"max_steps": 4, "checkpoint_every": 2, "log_every": 1, "num_workers": 0,
+               "num_anchors": 16, "max_length": 256},
+        evaluate={"num_prompts": 2, "max_new_tokens": 8},
+    )  # fmt: skip
+    return write_yaml(tmp_path / "workflow.yaml", raw)
+
+
+def _snakemake(work: Path, config: Path, *extra: str) -> subprocess.Popen:
+    import sys
+
+    cmd = [sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "--directory",
+           str(work), "--configfile", str(config), "--cores", "2", *extra]  # fmt: skip
+    log = (work.parent / f"{work.name}.log").open("a")
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _finished(work: Path, config: Path, *extra: str) -> None:
+    p = _snakemake(work, config, *extra)
+    assert p.wait(timeout=900) == 0, (work.parent / f"{work.name}.log").read_text()[-4000:]
+
+
+@pytest.mark.slow
+def test_killed_snakemake_resumes(tmp_path, tiny_target_dir, data_dir):
+    """SIGKILL the Snakemake process group (Snakemake and its running jobs, as when a login
+    session or node dies) at seeded moments; `snakemake --unlock` and a rerun with
+    --rerun-incomplete complete the workflow with the uninterrupted run's shards, the same
+    loss curve, and no temporary files."""
+    import time
+
+    config = _workflow_config(tmp_path, tiny_target_dir, data_dir)
+    ref = tmp_path / "reference"
+    ref.mkdir()
+    start = time.monotonic()
+    _finished(ref, config)
+    took = time.monotonic() - start
+    rng = random.Random(SEED)
+    kills = int(os.environ.get("DFLASHPIPE_SNAKEMAKE_KILLS", "2"))
+    report = []
+    for i in range(kills):
+        work = tmp_path / f"killed-{i}"
+        work.mkdir()
+        delay = rng.uniform(i + 0.1, i + 0.9) / kills * took  # one kill per slice of the run
+        p = _snakemake(work, config)
+        time.sleep(delay)
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+        done = sorted(str(f.relative_to(work / "results")) for f in (work / "results").rglob("*")
+                      if f.is_file() and "logs" not in f.parts and "benchmarks" not in f.parts)  # fmt: skip
+        _finished(work, config, "--unlock")
+        _finished(work, config, *RESUME_FLAGS)
+        for rel in ("sequences/shard-00000.parquet", "sequences/shard-00001.parquet",
+                    "features/shard-00000.arrow", "features/shard-00001.arrow"):  # fmt: skip
+            assert (work / "results" / rel).read_bytes() == (ref / "results" / rel).read_bytes(), (
+                rel
+            )
+        whole = [
+            json.loads(x) for x in (ref / "results/train/metrics.jsonl").read_text().splitlines()
+        ]
+        got = [
+            json.loads(x) for x in (work / "results/train/metrics.jsonl").read_text().splitlines()
+        ]
+        assert [r["step"] for r in got] == [r["step"] for r in whole]
+        for a, b in zip(whole, got, strict=True):
+            assert b["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-5), a["step"]
+        assert (work / "results" / "report.md").is_file()
+        assert temp_files(work / "results") == []
+        report.append(f"snakemake  killed at {delay:5.1f} s of {took:.1f} s; finished then: "
+                      f"{len(done)} files ({', '.join(done[-3:]) or '-'} ...)")  # fmt: skip
+    print("\n" + "\n".join(report))
