@@ -57,6 +57,42 @@ def test_two_processes(tmp_path, tiny_features):
     assert _rows(out / "metrics.jsonl")[-1]["step"] >= 2
 
 
+def test_fsdp_matches_ddp_and_resumes_after_a_kill(tmp_path, tiny_features, monkeypatch):
+    """train.parallel: fsdp (FSDP2 fully_shard over 2 gloo processes) follows DDP's loss curve
+    and exports the same weights; killed on both ranks mid-run, it resumes on its own curve."""
+    from safetensors.torch import load_file
+
+    common = dict(cpu_processes=2, epochs=2, checkpoint_every=2, log_every=1)
+    args, ddp = _train(tmp_path, tiny_features, "ddp2", **common)
+    launch(*args)
+    args, fsdp = _train(tmp_path, tiny_features, "fsdp", parallel="fsdp", **common)
+    launch(*args)
+    a, b = _rows(ddp / "metrics.jsonl"), _rows(fsdp / "metrics.jsonl")
+    assert [r["step"] for r in a] == [r["step"] for r in b] and len(a) >= 4
+    for x, y in zip(a, b, strict=True):
+        assert y["loss"] == pytest.approx(x["loss"], rel=1e-3), x["step"]
+    wa, wb = (
+        load_file(ddp / "drafter" / "model.safetensors"),
+        load_file(fsdp / "drafter" / "model.safetensors"),
+    )
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        torch.testing.assert_close(wb[k].float(), wa[k].float(), rtol=2e-2, atol=2e-3)
+    args, killed = _train(tmp_path, tiny_features, "fsdp-killed", parallel="fsdp", **common)
+    monkeypatch.setenv("DFLASHPIPE_KILL_AT", "train.step:3")  # both ranks SIGKILL themselves
+    with pytest.raises(Exception):  # noqa: B017 - torchrun reports the dead workers its own way
+        launch(*args)
+    monkeypatch.delenv("DFLASHPIPE_KILL_AT")
+    assert (killed / "run" / "step-00000002").is_dir() and not (killed / "drafter").exists()
+    saved = json.loads((killed / "run" / "step-00000002" / "fingerprint.json").read_text())
+    assert saved["parallel"] == "fsdp" and saved["world"] == 2  # the sharded path ran
+    launch(*args)
+    got = _rows(killed / "metrics.jsonl")
+    assert [r["step"] for r in got] == [r["step"] for r in b]
+    for x, y in zip(b, got, strict=True):
+        assert y["loss"] == pytest.approx(x["loss"], rel=1e-4, abs=1e-5), x["step"]
+
+
 def test_killed_run_resumes_on_the_same_curve(tmp_path, tiny_features):
     args, out = _train(tmp_path, tiny_features, "whole", epochs=6)
     launch(*args)

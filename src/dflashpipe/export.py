@@ -105,10 +105,12 @@ def config_from_dict(d: dict, origin: str = CONFIG_NAME) -> DrafterConfig:
         raise DataError(f"{origin}: missing key {e.args[0]!r} of a DFlash drafter config") from None
 
 
-def save_drafter(drafter: Drafter, out_dir: str | Path, dtype: torch.dtype | None = None) -> Path:
-    """Write config.json + model.safetensors into out_dir; dtype defaults to the weights' own."""
+def save_drafter(drafter: Drafter, out_dir: str | Path, dtype: torch.dtype | None = None,
+                 tensors: dict[str, Tensor] | None = None) -> Path:  # fmt: skip
+    """Write config.json + model.safetensors into out_dir; dtype defaults to the weights' own.
+    `tensors`: the trainable weights when the drafter's own are sharded (FSDP)."""
     out_dir = Path(out_dir)
-    tensors = drafter.trainable_state_dict()
+    tensors = drafter.trainable_state_dict() if tensors is None else tensors
     dtype = dtype or next(iter(tensors.values())).dtype
     # safetensors refuses shared or strided storage, so every tensor gets its own copy.
     tensors = {k: v.detach().to("cpu", dtype).contiguous().clone() for k, v in tensors.items()}

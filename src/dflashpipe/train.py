@@ -38,7 +38,7 @@ from dflashpipe.data import PackedBatches, epoch_plan, index_samples, make_loade
 from dflashpipe.errors import DataError, DflashpipeError
 from dflashpipe.export import save_drafter
 from dflashpipe.loss import block_labels, default_gamma, dflash_loss
-from dflashpipe.model import Drafter, DrafterConfig
+from dflashpipe.model import FROZEN_PREFIXES, Drafter, DrafterConfig
 from dflashpipe.shards import FeatureShard, check_manifest, verify_shard
 from dflashpipe.storage import atomic_path, write_json
 
@@ -84,6 +84,29 @@ def step_flops(
     fc = 2 * tokens * n_taps * H * H
     head = 2 * kept * (B - 1) * H * V
     return 3 * cfg.num_layers * (per_layer + attention) + 2 * fc + 2 * head
+
+
+def _FULL(cpu_offload: bool = True, strict: bool = True):
+    """Options for whole (unsharded) model / optimizer state dicts under FSDP."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(full_state_dict=True, cpu_offload=cpu_offload, strict=strict)
+
+
+def shard_fsdp(drafter: Drafter, device: torch.device) -> Drafter:
+    """FSDP2: each decoder layer its own unit, the rest (fc, norms) the root's. The target's
+    frozen embedding and LM head stay whole on every rank (ignored): the loss reads the head
+    outside the drafter's forward, and all-gathering a 150k-row table each step would cost
+    more than it saves."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    frozen = {p for p in drafter.parameters() if not p.requires_grad}
+    for layer in drafter.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(drafter, mesh=mesh, ignored_params=frozen)
+    return drafter
 
 
 def read_manifest(path: Path) -> dict:
@@ -174,16 +197,21 @@ class Trainer:
                 layer.compile()
         self.drafter = drafter
         self.head = compute_head(drafter, self.device)
-        self.model = (
-            DDP(drafter, device_ids=[self.device.index] if self.device.type == "cuda" else None)
-            if self.world > 1
-            else drafter
-        )
+        self.fsdp = self.world > 1 and self.tc["parallel"] == "fsdp"
+        if self.fsdp:
+            self.model = shard_fsdp(drafter, self.device)
+        elif self.world > 1:
+            ids = [self.device.index] if self.device.type == "cuda" else None
+            self.model = DDP(drafter, device_ids=ids)
+        else:
+            self.model = drafter
         self.gamma = self.tc["gamma"] or default_gamma(self.dcfg.block_size)
         self.fingerprint = {f"drafter.{k}": v for k, v in vars(self.dcfg).items()}
         self.fingerprint.update(
             world=self.world, micro_batch_tokens=self.tokens, num_anchors=self.tc["num_anchors"]
         )
+        if self.fsdp:  # its checkpoints key the optimizer state by name, DDP's by position
+            self.fingerprint["parallel"] = "fsdp"
 
     def _build_optimizer(self) -> None:
         params = [p for p in self.drafter.parameters() if p.requires_grad]
@@ -200,16 +228,43 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, schedule)
 
     def state_dict(self) -> dict:
-        return {"model": self.drafter.trainable_state_dict(), "optimizer": self.optimizer.state_dict(),
+        """Everything a checkpoint holds. Under FSDP a collective (every rank calls it): the
+        sharded model and optimizer state are gathered into full tensors on the CPU."""
+        if self.fsdp:
+            from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+            optimizer = get_optimizer_state_dict(self.drafter, self.optimizer, options=_FULL())
+        else:
+            optimizer = self.optimizer.state_dict()
+        return {"model": self.export_state(), "optimizer": optimizer,
                 "scheduler": self.scheduler.state_dict(), "data": {"epoch": self.epoch, "micro": self.micro}}  # fmt: skip
+
+    def export_state(self) -> dict[str, torch.Tensor]:
+        """The trainable weights as full tensors (a collective under FSDP)."""
+        if not self.fsdp:
+            return self.drafter.trainable_state_dict()
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        full = get_model_state_dict(self.drafter, options=_FULL())
+        return {k: v for k, v in full.items() if not k.startswith(FROZEN_PREFIXES)}
 
     def _resume(self) -> None:
         found = checkpoint.load_latest(self.run_dir, self.fingerprint)
         if found is None:
             return
         path, state = found
-        self.drafter.load_state_dict(state["model"], strict=False)
-        self.optimizer.load_state_dict(state["optimizer"])
+        if self.fsdp:
+            from torch.distributed.checkpoint.state_dict import (
+                set_model_state_dict,
+                set_optimizer_state_dict,
+            )
+
+            opts = _FULL(cpu_offload=False, strict=False)
+            set_model_state_dict(self.drafter, state["model"], options=opts)
+            set_optimizer_state_dict(self.drafter, self.optimizer, state["optimizer"], options=opts)
+        else:
+            self.drafter.load_state_dict(state["model"], strict=False)
+            self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         checkpoint.set_rng_state(state["rng"])
         self.step, self.epoch, self.micro = (
@@ -228,7 +283,11 @@ class Trainer:
 
     def micro_step(self, batch: dict, sync: bool) -> tuple[torch.Tensor, dict]:
         b = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
-        ctx = self.model.no_sync() if (self.world > 1 and not sync) else nullcontext()
+        if self.fsdp:
+            self.model.set_requires_gradient_sync(sync)  # accumulate locally until the last
+            ctx = nullcontext()
+        else:
+            ctx = self.model.no_sync() if (self.world > 1 and not sync) else nullcontext()
         with ctx:
             loss, metrics = forward_loss(self.model, self.head, b, self.dcfg.block_size, self.gamma)
             (loss / self.accum).backward()
@@ -276,13 +335,10 @@ class Trainer:
         logger.close()
 
     def save(self) -> None:
+        state = self.state_dict()  # every rank: a collective under FSDP
         if self.rank == 0:
             checkpoint.save(
-                self.run_dir,
-                self.step,
-                self.state_dict(),
-                self.fingerprint,
-                self.tc["keep_checkpoints"],
+                self.run_dir, self.step, state, self.fingerprint, self.tc["keep_checkpoints"]
             )
         if self.world > 1:
             dist.barrier()
@@ -421,8 +477,9 @@ def main(argv: list[str] | None = None) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     trainer = Trainer(cfg, Path(args.manifest), run_dir, device)
     trainer.train()
+    weights = trainer.export_state()  # every rank: a collective under FSDP
     if trainer.rank == 0:
-        save_drafter(trainer.drafter, args.drafter, dtype=torch.bfloat16)
+        save_drafter(trainer.drafter, args.drafter, dtype=torch.bfloat16, tensors=weights)
         with atomic_path(args.metrics) as tmp:
             shutil.copyfile(run_dir / "metrics.jsonl", tmp)
         write_json(run_dir / "summary.json", {"steps": trainer.step, "skipped": trainer.stats})
