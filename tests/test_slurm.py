@@ -100,3 +100,28 @@ def test_torchrun_rendezvous_across_two_srun_tasks(cluster, tmp_path):
     lines = sorted(line.split() for line in done.stdout.splitlines() if line.strip())
     assert [line[1:] for line in lines] == [["0", "2", "3"], ["1", "2", "3"]]
     assert {line[0] for line in lines} == {"0", "1"}  # two "nodes"
+
+
+def test_cancelled_job_is_retried(cluster, tmp_path, smollm2_dir):
+    """scancel the running train job: Snakemake (profile: retries, squeue states) submits it
+    again, the workflow completes, and sacct shows the cancelled attempt and the completed one."""
+    since = time.strftime("%Y-%m-%dT%H:%M:%S")
+    workdir, config = _workdir(tmp_path)
+    proc = subprocess.Popen(_snakemake(workdir, config, "train"), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    cancelled, deadline = None, time.time() + 600
+    while cancelled is None and time.time() < deadline and proc.poll() is None:
+        out = subprocess.run(
+            ["squeue", "-h", "-o", "%i|%k|%T"], capture_output=True, text=True
+        ).stdout
+        for job_id, comment, state in (line.split("|") for line in out.splitlines() if line):
+            if comment.startswith("rule_train") and state == "RUNNING":
+                subprocess.run(["scancel", job_id], check=True)
+                cancelled = job_id
+        time.sleep(0.5)
+    assert cancelled, "never saw the train job running"
+    log, _ = proc.communicate(timeout=900)
+    assert proc.returncode == 0, log[-3000:]
+    assert (workdir / "results/drafter/model.safetensors").is_file()
+    train = [state for comment, state in _jobs(since) if comment.startswith("rule_train")]
+    assert train[0].startswith("CANCELLED") and train[-1] == "COMPLETED", train
