@@ -39,7 +39,10 @@ CPU_OVERRIDES = [
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     state = tmp_path_factory.mktemp("slurm")
-    subprocess.run([str(CLUSTER), "start", str(state)], check=True)
+    started = subprocess.run([str(CLUSTER), "start", str(state)], capture_output=True, text=True)
+    if started.returncode != 0:  # the machine cannot run the daemons (e.g. a restricted container)
+        subprocess.run([str(CLUSTER), "stop", str(state)], check=False)
+        pytest.skip(f"cannot start a one-node SLURM cluster here: {started.stderr[-500:]}")
     yield state
     subprocess.run([str(CLUSTER), "stop", str(state)], check=False)
 
@@ -61,22 +64,6 @@ def _jobs(since: str) -> list[tuple[str, str]]:
     out = subprocess.run(["sacct", "-X", "-n", "-P", "-S", since, "-o", "Comment,State"],
                          capture_output=True, text=True, check=True).stdout  # fmt: skip
     return [tuple(line.split("|")) for line in out.splitlines() if line.startswith("rule_")]
-
-
-def test_every_stage_runs_as_a_slurm_job(cluster, tmp_path, smollm2_dir):
-    since = time.strftime("%Y-%m-%dT%H:%M:%S")
-    workdir, config = _workdir(tmp_path)
-    done = subprocess.run(_snakemake(workdir, config), capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert (workdir / "results/drafter/model.safetensors").is_file()
-    assert (
-        json.loads((workdir / "results/eval/metrics.json").read_text())["lossless_fraction"] == 1.0
-    )
-    jobs = _jobs(since)
-    rules = {comment.split("_wildcards")[0].removeprefix("rule_") for comment, _ in jobs}
-    assert rules >= {"prompts", "regenerate_shard", "extract_shard", "extract_manifest", "train",
-                     "evaluate", "report"}, jobs  # fmt: skip
-    assert all(state == "COMPLETED" for _, state in jobs), jobs
 
 
 def test_torchrun_rendezvous_across_two_srun_tasks(cluster, tmp_path):
@@ -102,14 +89,15 @@ def test_torchrun_rendezvous_across_two_srun_tasks(cluster, tmp_path):
     assert {line[0] for line in lines} == {"0", "1"}  # two "nodes"
 
 
-def test_cancelled_job_is_retried(cluster, tmp_path, smollm2_dir):
-    """scancel the running train job: Snakemake (profile: retries, squeue states) submits it
-    again, the workflow completes, and sacct shows the cancelled attempt and the completed one."""
+def test_every_stage_is_a_slurm_job_and_a_cancelled_one_is_retried(cluster, tmp_path, smollm2_dir):
+    """The small default workflow through the SLURM profile: scancel the running train job;
+    Snakemake (profile: retries, squeue states) submits it again and the workflow completes.
+    sacct shows every stage as a SLURM job, all COMPLETED but the cancelled attempt."""
     since = time.strftime("%Y-%m-%dT%H:%M:%S")
     workdir, config = _workdir(tmp_path)
-    proc = subprocess.Popen(_snakemake(workdir, config, "train"), stdout=subprocess.PIPE,
+    proc = subprocess.Popen(_snakemake(workdir, config), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)  # fmt: skip
-    cancelled, deadline = None, time.time() + 600
+    cancelled, deadline = None, time.time() + 900
     while cancelled is None and time.time() < deadline and proc.poll() is None:
         out = subprocess.run(
             ["squeue", "-h", "-o", "%i|%k|%T"], capture_output=True, text=True
@@ -123,5 +111,14 @@ def test_cancelled_job_is_retried(cluster, tmp_path, smollm2_dir):
     log, _ = proc.communicate(timeout=900)
     assert proc.returncode == 0, log[-3000:]
     assert (workdir / "results/drafter/model.safetensors").is_file()
-    train = [state for comment, state in _jobs(since) if comment.startswith("rule_train")]
+    assert (
+        json.loads((workdir / "results/eval/metrics.json").read_text())["lossless_fraction"] == 1.0
+    )
+    jobs = _jobs(since)
+    rules = {comment.split("_wildcards")[0].removeprefix("rule_") for comment, _ in jobs}
+    assert rules >= {"prompts", "regenerate_shard", "extract_shard", "extract_manifest", "train",
+                     "evaluate", "report"}, jobs  # fmt: skip
+    train = [state for comment, state in jobs if comment.startswith("rule_train")]
     assert train[0].startswith("CANCELLED") and train[-1] == "COMPLETED", train
+    others = [state for comment, state in jobs if not comment.startswith("rule_train")]
+    assert all(state == "COMPLETED" for state in others), jobs
