@@ -76,6 +76,8 @@ def test_torchrun_rendezvous_across_two_srun_tasks(cluster, tmp_path):
         "t = __import__('torch').ones(1) * (dist.get_rank() + 1)\n"
         "dist.all_reduce(t)\n"
         "print(os.environ['GROUP_RANK'], dist.get_rank(), dist.get_world_size(), int(t.item()))\n"
+        "dist.barrier()\n"  # as train does: leave together, before a store host can go
+        "dist.destroy_process_group()\n"
     )
     from dflashpipe.train import torchrun_command
 
