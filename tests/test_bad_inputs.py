@@ -75,6 +75,24 @@ class Env:
         return d / "manifest.json", [Path(s["path"]) for s in manifest["shards"]]
 
 
+def edit_manifest(path: Path, change: Callable[[dict], None]) -> None:
+    manifest = json.loads(path.read_text())
+    change(manifest)
+    path.write_text(json.dumps(manifest))
+
+
+def rewrite_shard(path: Path, change: Callable[[pa.Table, dict], pa.Table]) -> None:
+    """Rewrite a feature shard in place: `change` edits its table and schema metadata."""
+    reader = pa.ipc.open_file(pa.BufferReader(path.read_bytes()))  # not mapped: rewritten
+    table, meta = reader.read_all(), dict(reader.schema.metadata)
+    table = change(table, meta)
+    with (
+        pa.OSFile(str(path), "wb") as sink,
+        pa.ipc.new_file(sink, table.schema.with_metadata(meta)) as w,
+    ):
+        w.write_table(table)
+
+
 def stage(*argv: str) -> Callable[[], None]:
     """The stage through its CLI, as a Snakemake job runs it; an error becomes an exception."""
 
@@ -371,9 +389,7 @@ def _(env):
 )
 def _(env):
     manifest, _ = env.copy_features()
-    m = json.loads(manifest.read_text())
-    m["target"]["tokenizer_sha256"] = "0" * 64
-    manifest.write_text(json.dumps(m))
+    edit_manifest(manifest, lambda m: m["target"].update(tokenizer_sha256="0" * 64))
     return train_run(env, env.config(), manifest)
 
 
@@ -409,18 +425,9 @@ def _(env):
 )
 def _(env):
     manifest, shards = env.copy_features()
-    reader = pa.ipc.open_file(pa.BufferReader(shards[0].read_bytes()))
-    table = reader.read_all()
-    meta = dict(reader.schema.metadata)
-    meta[b"codec"] = b"zip"
-    with (
-        pa.OSFile(str(shards[0]), "wb") as sink,
-        pa.ipc.new_file(sink, table.schema.with_metadata(meta)) as w,
-    ):
-        w.write_table(table)
-    m = json.loads(manifest.read_text())
-    m["shards"][0]["sha256"] = sha256_file(shards[0])  # a consistent manifest: the codec decides
-    manifest.write_text(json.dumps(m))
+    rewrite_shard(shards[0], lambda table, meta: meta.update({b"codec": b"zip"}) or table)
+    # a consistent manifest: the codec decides
+    edit_manifest(manifest, lambda m: m["shards"][0].update(sha256=sha256_file(shards[0])))
     return train_run(env, env.config(), manifest)
 
 
@@ -432,9 +439,7 @@ def _(env):
 )
 def _(env):
     manifest, _ = env.copy_features()
-    m = json.loads(manifest.read_text())
-    m["codec"] = "fp8-zstd"
-    manifest.write_text(json.dumps(m))
+    edit_manifest(manifest, lambda m: m.update(codec="fp8-zstd"))
     return train_run(env, env.config(), manifest)
 
 
@@ -447,14 +452,14 @@ def _(env):
 def _(env):
     """Every sample's loss mask zeroed: each is skipped and counted, then training has nothing."""
     manifest, shards = env.copy_features()
-    for path in shards:
-        reader = pa.ipc.open_file(pa.BufferReader(path.read_bytes()))  # not mapped: rewritten
-        table, schema = reader.read_all(), reader.schema
+
+    def unsupervised(table: pa.Table, meta: dict) -> pa.Table:
         masks = pa.array([[0] * len(m) for m in table.column("loss_mask").to_pylist()],
                          pa.list_(pa.uint8()))  # fmt: skip
-        table = table.set_column(table.schema.get_field_index("loss_mask"), "loss_mask", masks)
-        with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, schema) as w:
-            w.write_table(table)
+        return table.set_column(table.schema.get_field_index("loss_mask"), "loss_mask", masks)
+
+    for path in shards:
+        rewrite_shard(path, unsupervised)
     from dflashpipe.shards import build_manifest
 
     m = build_manifest(shards)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import random
 import shutil
 from pathlib import Path
@@ -20,6 +19,7 @@ import torch
 
 from dflashpipe import faults
 from dflashpipe.errors import DataError
+from dflashpipe.storage import fsync_path
 
 log = logging.getLogger(__name__)
 PREFIX = "step-"
@@ -53,30 +53,27 @@ def save(run_dir: Path, step: int, state: dict, fingerprint: dict, keep: int) ->
     torch.save({**state, "rng": rng_state(), "step": step}, tmp / "state.pt")
     (tmp / "fingerprint.json").write_text(json.dumps(fingerprint, indent=2, sort_keys=True))
     for path in (tmp / "state.pt", tmp / "fingerprint.json", tmp):
-        _fsync(path)
+        fsync_path(path)
     faults.point("checkpoint.written")
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)
-    _fsync(run_dir)
+    fsync_path(run_dir)
     faults.point("checkpoint.renamed")
     for old in sorted(run_dir.glob(f"{PREFIX}*"))[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
 
 
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def complete(run_dir: Path) -> list[Path]:
+    """Complete checkpoints, oldest first; half-written ones (a killed save) are removed."""
+    for stale in run_dir.glob(f".{PREFIX}*.tmp"):
+        shutil.rmtree(stale, ignore_errors=True)
+    return sorted(p for p in run_dir.glob(f"{PREFIX}*") if (p / "state.pt").is_file())
 
 
 def latest(run_dir: Path) -> Path | None:
-    """The newest complete checkpoint; half-written ones (a killed save) are removed."""
-    for stale in run_dir.glob(f".{PREFIX}*.tmp"):
-        shutil.rmtree(stale, ignore_errors=True)
-    done = sorted(p for p in run_dir.glob(f"{PREFIX}*") if (p / "state.pt").is_file())
+    """The newest complete checkpoint."""
+    done = complete(run_dir)
     return done[-1] if done else None
 
 
@@ -86,12 +83,8 @@ def load_latest(run_dir: Path, fingerprint: dict) -> tuple[Path, dict] | None:
     A checkpoint made for another drafter or data is refused (not skipped); one that cannot be
     read (a damaged disk, a file cut short by hand) is passed over for the next older, with a
     warning. If checkpoints exist but none can be read, that is an error naming them."""
-    latest(run_dir)  # removes half-written ones
-    found = sorted(
-        (p for p in run_dir.glob(f"{PREFIX}*") if (p / "state.pt").is_file()), reverse=True
-    )
     broken = []
-    for path in found:
+    for path in reversed(complete(run_dir)):
         try:
             return path, load(path, fingerprint)
         except DataError:

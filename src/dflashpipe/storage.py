@@ -44,7 +44,7 @@ def atomic_path(dest: str | Path) -> Iterator[Path]:
         faults.point("atomic.synced")
         os.replace(tmp_path, dest)
         faults.point("atomic.renamed")
-        _fsync_dir(dest.parent)
+        fsync_path(dest.parent)  # the rename is durable only once the directory is flushed
     except OSError as e:
         tmp_path.unlink(missing_ok=True)
         if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
@@ -77,9 +77,9 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _fsync_dir(directory: Path) -> None:
-    # The rename is durable only once the directory entry is flushed.
-    fd = os.open(directory, os.O_RDONLY)
+def fsync_path(path: Path) -> None:
+    """fsync a file or a directory (a directory: its entries, e.g. a rename into it)."""
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
