@@ -7,6 +7,10 @@ all 36 layers, sdpa, batches of 8 x 2048 tokens, no LM head. Measured path: the 
 Arrow writer to local disk) over the same number of tokens.
 
     python benchmarks/extract.py --sequences 96 --out $OUT/extract.json
+
+`--shape smollm2` runs the quality benchmark's target instead (SmolLM2-135M: 30 layers, hidden
+576, taps [1, 8, 14, 20, 27]) with `--budget` tokens per batch and `--min-length` for ShareGPT-like
+mixed lengths: at 135M parameters the host side, not the GPU, sets the pace.
 """
 
 from __future__ import annotations
@@ -20,7 +24,8 @@ from collections import Counter
 from pathlib import Path
 
 import torch
-from transformers import Qwen3Config, Qwen3Model
+from torch import nn
+from transformers import LlamaConfig, LlamaModel, Qwen3Config, Qwen3Model
 
 from dflashpipe.codecs import prepare
 from dflashpipe.config import Config
@@ -31,6 +36,9 @@ QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, nu
                 num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
                 rms_norm_eps=1e-6)  # fmt: skip
 LAYERS = [1, 9, 17, 25, 33]
+# --shape smollm2: the quality benchmark's target (a 135M model: host work, not the GPU, bounds it)
+SMOLLM2 = json.loads(Path(__file__).with_name("smollm2-135m.json").read_text())
+SMOLLM2_LAYERS = [1, 8, 14, 20, 27]
 
 
 SMOKE = dict(QWEN3_8B, hidden_size=64, intermediate_size=128, num_attention_heads=4,
@@ -42,11 +50,14 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def build(device: torch.device, shape: dict) -> Qwen3Model:
+def build(device: torch.device, shape: dict) -> nn.Module:
     torch.manual_seed(0)
     torch.set_default_dtype(torch.bfloat16)
     with device:
-        model = Qwen3Model(Qwen3Config(**shape, attn_implementation="sdpa"))
+        if shape is SMOLLM2:
+            model = LlamaModel(LlamaConfig(**shape, attn_implementation="sdpa"))
+        else:
+            model = Qwen3Model(Qwen3Config(**shape, attn_implementation="sdpa"))
     torch.set_default_dtype(torch.float32)
     return model.eval().requires_grad_(False)
 
@@ -65,15 +76,17 @@ def bare_forward_tok_s(model, ids: torch.Tensor, repeats: int = 5) -> float:
     return ids.numel() / statistics.median(times)
 
 
-def gpu_path_tok_s(model, ids: torch.Tensor, codec: str, repeats: int = 5) -> float:
+def gpu_path_tok_s(
+    model, ids: torch.Tensor, codec: str, layers: list[int], repeats: int = 5
+) -> float:
     """The measured path's GPU work alone: forward through the deepest tap, taps gathered,
     the codec's element-wise half; no host copy. The ceiling for the whole stage."""
-    taps = LayerTaps(model, LAYERS)
+    taps = LayerTaps(model, layers)
     times = []
     for i in range(repeats + 1):
         sync()
         t = time.perf_counter()
-        prepare(forward_taps(model, taps, ids), codec, len(LAYERS))
+        prepare(forward_taps(model, taps, ids), codec, len(layers))
         sync()
         if i:
             times.append(time.perf_counter() - t)
@@ -82,13 +95,14 @@ def gpu_path_tok_s(model, ids: torch.Tensor, codec: str, repeats: int = 5) -> fl
 
 
 def extract_tok_s(
-    model, rows: list[dict], codec: str, level: int, out_dir: Path, hidden: int
+    model, rows: list[dict], codec: str, level: int, out_dir: Path, layers: list[int], budget: int
 ) -> dict:
+    hidden = model.config.hidden_size
     raw = {"target": {"model": "qwen3-8b-random"}, "prompts": {"sources": [{"name": "x", "kind": "jsonl", "path": "x"}]},
-           "extract": {"codec": codec, "zstd_level": level, "token_budget": 16384, "encode_workers": None}}  # fmt: skip
+           "extract": {"codec": codec, "zstd_level": level, "token_budget": budget, "encode_workers": None}}  # fmt: skip
     cfg = Config.from_dict(raw)
-    info = ShardInfo(codec, LAYERS, hidden, {"name": "random"})
-    ex = Extractor(cfg, model, LAYERS, model.device)
+    info = ShardInfo(codec, layers, hidden, {"name": "random"})
+    ex = Extractor(cfg, model, layers, model.device)
     # warm-up: kernels, threads, and enough batches in flight to fill the pinned-memory cache
     ex.run(rows[:32], out_dir / "warmup.arrow", info, Counter())
     out = out_dir / f"{codec}-{level}.arrow"
@@ -100,7 +114,7 @@ def extract_tok_s(
     ex.close()
     timing = {f"{k}_s": v for k, v in ex.timing.items()}
     tokens = sum(len(r["input_ids"]) for r in rows)
-    raw_bytes = tokens * len(LAYERS) * hidden * 2
+    raw_bytes = tokens * len(layers) * hidden * 2
     return {
         "tok_s": tokens / elapsed,
         "bytes": out.stat().st_size,
@@ -120,21 +134,29 @@ def main() -> None:
     )
     ap.add_argument("--out", default="extract.json")
     ap.add_argument("--dir", default="/tmp", help="where shards are written (local disk)")
+    ap.add_argument("--shape", choices=["qwen3-8b", "smollm2"], default="qwen3-8b")
+    ap.add_argument("--min-length", type=int, default=0,
+                    help="sequence lengths uniform in [min-length, length] (0: all --length)")  # fmt: skip
+    ap.add_argument("--budget", type=int, default=16384, help="extract.token_budget")
     ap.add_argument(
         "--smoke", action="store_true", help="tiny shapes on the CPU (checks the script)"
     )
     args = ap.parse_args()
-    shape = SMOKE if args.smoke else QWEN3_8B
+    shape = SMOKE if args.smoke else SMOLLM2 if args.shape == "smollm2" else QWEN3_8B
+    layers = SMOLLM2_LAYERS if shape is SMOLLM2 else LAYERS
     device = torch.device("cpu" if args.smoke else "cuda")
     model = build(device, shape)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, shape["vocab_size"], (args.sequences, args.length), generator=g)
-    base_tok_s = bare_forward_tok_s(model, ids[:8].to(device))
+    lengths = torch.randint(args.min_length or args.length, args.length + 1, (args.sequences,),
+                            generator=g).tolist()  # fmt: skip
+    base_tok_s = bare_forward_tok_s(model, ids[: max(1, args.budget // args.length)].to(device))
     print(json.dumps({"bare_forward_tok_s": base_tok_s}), flush=True)
-    rows = [{"sample_id": str(i), "input_ids": ids[i].tolist(), "loss_mask": [1] * args.length}
-            for i in range(args.sequences)]  # fmt: skip
-    truncate_base(model, max(LAYERS))
-    gpu_path = gpu_path_tok_s(model, ids[:8].to(device), "bf16-zstd")
+    rows = [{"sample_id": str(i), "input_ids": ids[i, :n].tolist(), "loss_mask": [1] * n}
+            for i, n in enumerate(lengths)]  # fmt: skip
+    truncate_base(model, max(layers))
+    gpu_path = gpu_path_tok_s(model, ids[: max(1, args.budget // args.length)].to(device),
+                              "bf16-zstd", layers)  # fmt: skip
     print(json.dumps({"gpu_path_tok_s": gpu_path}), flush=True)
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     results = {"device": name, "bare_forward_tok_s": base_tok_s, "gpu_path_tok_s": gpu_path,
@@ -142,15 +164,16 @@ def main() -> None:
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         for spec in args.runs:
             codec, level = spec.split(":")
-            r = extract_tok_s(model, rows, codec, int(level), Path(tmp), shape["hidden_size"])
+            r = extract_tok_s(model, rows, codec, int(level), Path(tmp), layers, args.budget)
             r["ratio_vs_bare_forward"] = r["tok_s"] / base_tok_s
             results["runs"][spec] = r
             print(json.dumps({spec: r}), flush=True)
             for f in Path(tmp).glob("*.arrow"):
                 f.unlink()
     Path(args.out).write_text(json.dumps(results, indent=2))
-    print(f"\nbare forward (36 layers, 8x{args.length}): {base_tok_s:,.0f} tok/s")
-    print(f"GPU work of the path (34 layers, taps, planes): {gpu_path:,.0f} tok/s "
+    n = shape["num_hidden_layers"]
+    print(f"\nbare forward ({n} layers, batches of {args.budget} tokens): {base_tok_s:,.0f} tok/s")
+    print(f"GPU work of the path ({max(layers) + 1} layers, taps, planes): {gpu_path:,.0f} tok/s "
           f"({gpu_path / base_tok_s:.2f}x)")  # fmt: skip
     print(f"{'codec:level':<14}{'tok/s':>10}{'x bare':>8}{'size vs raw bf16':>18}"
           f"{'loop tok/s':>12}{'blocked gpu/host s':>20}")  # fmt: skip

@@ -331,10 +331,22 @@ def run(cfg: Config, sequences: str, shard: int, out: str) -> None:
             )
 
         extractor = Extractor(cfg, base, layer_ids, device)
+        start = time.perf_counter()
         try:
             extractor.run(rows, out_path, info, stats, before_rename=write_stats)
         finally:
             extractor.close()
+        t = extractor.timing
+        log.info(
+            "shard %d: %.0f tok/s; %.1f s in all, GPU loop %.1f s (waited on the GPU %.1f s, on "
+            "the encoders and writer %.1f s)",
+            shard,
+            tokens / (time.perf_counter() - start),
+            time.perf_counter() - start,
+            t["loop"],
+            t["blocked_on_gpu"],
+            t["blocked_on_host"],
+        )
     kept = len(rows) - stats["nan_or_inf"]
     log.info(
         "shard %d: %d samples, %d bytes, skipped %s",
