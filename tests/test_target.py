@@ -53,3 +53,39 @@ def test_dtype_policy():
 def test_missing_local_target_is_named():
     with pytest.raises(DataError, match="resources/nothing-here.*does not exist"):
         load_target(TargetConfig(model="resources/nothing-here"), torch.device("cpu"))
+
+
+def test_gguf_cache_matches_a_direct_gguf_load(smollm2_dir, tmp_path, monkeypatch):
+    """The converted directory gives the GGUF's own weights, tokenizer and template (every
+    weight, base model and LM head), is made once, and is shared by the next load."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import dflashpipe.target as target
+
+    monkeypatch.setattr(target, "_HASH_CACHE", tmp_path / "cache")
+    cfg = TargetConfig(model=str(smollm2_dir), gguf_file=SMOLLM2_GGUF)
+    direct = AutoModelForCausalLM.from_pretrained(
+        str(smollm2_dir), gguf_file=SMOLLM2_GGUF, dtype=torch.float32, local_files_only=True
+    )
+    direct_tok = AutoTokenizer.from_pretrained(str(smollm2_dir), gguf_file=SMOLLM2_GGUF)
+    model, tok = load_target(cfg, torch.device("cpu"))
+    cached = target.gguf_cache(cfg)
+    assert cached.parent == tmp_path / "cache" / "gguf" and (cached / "model.safetensors").is_file()
+    expected = direct.state_dict()
+    got = model.state_dict()
+    assert sorted(got) == sorted(expected)
+    for key, value in expected.items():
+        assert torch.equal(got[key], value), key
+    base, _ = load_target(cfg, torch.device("cpu"), base_only=True)
+    for key, value in base.state_dict().items():
+        assert torch.equal(value, expected[f"model.{key}"]), key
+    text = [{"role": "user", "content": "Write a haiku about shards. 🚀"}]
+    assert tok.apply_chat_template(text, add_generation_prompt=True) == (
+        direct_tok.apply_chat_template(text, add_generation_prompt=True)
+    )
+    assert target.tokenizer_sha256(tok) == target.tokenizer_sha256(direct_tok)
+    assert target.chat_template_sha256(tok) == target.chat_template_sha256(direct_tok)
+    stamp = (cached / "model.safetensors").stat().st_mtime_ns
+    load_tokenizer(cfg)
+    assert (cached / "model.safetensors").stat().st_mtime_ns == stamp  # not made again
+    assert [p.name for p in cached.parent.iterdir()] == [cached.name]  # no temporary left

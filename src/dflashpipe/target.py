@@ -11,9 +11,12 @@ import hashlib
 import json
 import logging
 import os
+import shutil
+import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import safetensors.torch
 import torch
 
 from dflashpipe.config import TargetConfig
@@ -62,13 +65,76 @@ def torch_dtype(cfg: TargetConfig, device: torch.device) -> torch.dtype:
     return getattr(torch, cfg.dtype)
 
 
+def gguf_cache(cfg: TargetConfig) -> Path | None:
+    """For a local GGUF target: an HF directory with its dequantized float32 weights, config and
+    tokenizer, made on first use and shared by every later load. Parsing a GGUF costs 15-40 s
+    per load (config, tokenizer and weights each parse it), a job's whole budget on a small
+    target; the directory loads in about a second. Keyed by the GGUF's sha256 under
+    $DFLASHPIPE_CACHE (default ~/.cache/dflashpipe); None for other targets."""
+    if not cfg.gguf_file or not _is_local(cfg):
+        return None
+    gguf = Path(cfg.model) / cfg.gguf_file
+    if not gguf.is_file():
+        raise DataError(f"target GGUF file {gguf} does not exist (run `snakemake resources`?)")
+    final = _HASH_CACHE / "gguf" / _file_sha256(gguf)
+    if (final / "config.json").is_file():
+        return final
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log.info("converting %s to %s (once)", gguf, final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name[:16]}.", dir=final.parent))
+    tmp.chmod(0o755)
+    try:
+        kwargs = {"gguf_file": cfg.gguf_file, "local_files_only": True}
+        try:
+            tok = AutoTokenizer.from_pretrained(cfg.model, **kwargs)
+            model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32, **kwargs)
+        except (OSError, ValueError, ImportError) as e:
+            raise DataError(f"cannot load target {gguf}: {e}") from None
+        tok.save_pretrained(tmp)
+        # save_pretrained refuses models loaded through the GGUF quantizer; the weights are
+        # plain float32 tensors by now, so they are written directly, each storage once under
+        # its first name (a tied LM head is the embedding: the embedding's name is kept).
+        weights, seen = {}, set()
+        for key, value in model.state_dict().items():
+            if value.untyped_storage().data_ptr() not in seen:
+                seen.add(value.untyped_storage().data_ptr())
+                weights[key] = value.contiguous()
+        safetensors.torch.save_file(weights, str(tmp / "model.safetensors"))
+        config = model.config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        if model.generation_config is not None:
+            model.generation_config.save_pretrained(tmp)
+        config.save_pretrained(tmp)  # config.json last: its presence marks a whole directory
+        try:
+            tmp.rename(final)
+        except OSError:  # another job finished the same conversion first
+            if not (final / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def _source(cfg: TargetConfig) -> tuple[str, dict]:
+    """(name or directory, from_pretrained kwargs) the target's weights load from."""
+    cached = gguf_cache(cfg)
+    if cached is not None:
+        return str(cached), {"local_files_only": True}
+    return cfg.model, _hub_kwargs(cfg, _is_local(cfg))
+
+
 def load_tokenizer(cfg: TargetConfig):
     from transformers import AutoTokenizer
 
     name = cfg.tokenizer or cfg.model
-    kwargs = _hub_kwargs(cfg, Path(name).exists() if cfg.tokenizer else _is_local(cfg))
     if cfg.tokenizer:
+        kwargs = _hub_kwargs(cfg, Path(name).exists())
         kwargs.pop("gguf_file", None)
+    else:
+        name, kwargs = _source(cfg)
     try:
         tok = AutoTokenizer.from_pretrained(name, **kwargs)
     except OSError as e:
@@ -83,14 +149,14 @@ def load_target(cfg: TargetConfig, device: torch.device, base_only: bool = False
     `base_only` loads the decoder stack without the LM head (AutoModel), as extract needs."""
     from transformers import AutoModel, AutoModelForCausalLM
 
-    local = _is_local(cfg)
     tok = load_tokenizer(cfg)
+    name, kwargs = _source(cfg)
     try:
         model = (AutoModel if base_only else AutoModelForCausalLM).from_pretrained(
-            cfg.model,
+            name,
             dtype=torch_dtype(cfg, device),
             attn_implementation=cfg.attn_implementation,
-            **_hub_kwargs(cfg, local),
+            **kwargs,
         )
     except (OSError, ValueError, ImportError) as e:
         raise DataError(f"cannot load target {cfg.model!r}: {e}") from None
