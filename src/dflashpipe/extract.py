@@ -202,9 +202,12 @@ class Extractor:
         for b, r in enumerate(rows):
             ids[b, : lengths[b]] = torch.tensor(r["input_ids"])
         ids_d = ids.to(self.device, non_blocking=True)
+        # from pinned memory, asynchronously: `new_tensor(lengths)` copied from pageable memory,
+        # which waited for the forward to finish, so the host and the GPU took turns
+        lengths_d = torch.tensor(lengths, pin_memory=self.pinned).to(self.device, non_blocking=True)
         hidden = forward_taps(self.base, self.taps, ids_d)
         positions = torch.arange(ids.shape[1], device=self.device)
-        pad = positions >= ids_d.new_tensor(lengths).unsqueeze(1)  # (B, T)
+        pad = positions >= lengths_d.unsqueeze(1)  # (B, T)
         finite = torch.isfinite(hidden).logical_or(pad[..., None]).flatten(1).all(1)  # (B,)
         host = []
         for part in prepare(hidden, self.codec, len(self.layer_ids)):  # planes / fp8 on the GPU
