@@ -60,9 +60,10 @@ def test_gguf_cache_matches_a_direct_gguf_load(smollm2_dir, tmp_path, monkeypatc
     weight, base model and LM head), is made once, and is shared by the next load."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    import dflashpipe.storage as storage
     import dflashpipe.target as target
 
-    monkeypatch.setattr(target, "_HASH_CACHE", tmp_path / "cache")
+    monkeypatch.setattr(storage, "CACHE_DIR", tmp_path / "cache")
     cfg = TargetConfig(model=str(smollm2_dir), gguf_file=SMOLLM2_GGUF)
     direct = AutoModelForCausalLM.from_pretrained(
         str(smollm2_dir), gguf_file=SMOLLM2_GGUF, dtype=torch.float32, local_files_only=True

@@ -197,14 +197,24 @@ def regenerate_rows(rows, model, tok, gen: RegenerateConfig, budget: int, parts:
             return [], stats, False
         part_rows, part_stats = [], Counter()
         for batch in batches[first : first + per_part]:
+            t = time.perf_counter()
             answers = generate_batch(
                 model, [prompts[i] for i in batch], gen_cfg, eot, gen.batch_size
+            )
+            made = sum(len(new) for new, _ in answers)
+            # one line a batch: a new padded width means a new compiled decode graph
+            log.info(
+                "batch of %d prompts, shape %s: %d new tokens in %.1f s",
+                len(batch),
+                padded_shape([len(prompts[i]) for i in batch], gen.batch_size),
+                made,
+                time.perf_counter() - t,
             )
             for i, (new, finish) in zip(batch, answers, strict=True):
                 mask = [0] * len(prompts[i]) + [1] * len(new)
                 part_rows.append(_row(rows[i], prompts[i] + new, mask, len(prompts[i]), finish))
                 part_stats[f"finish_{finish}"] += 1
-                new_tokens += len(new)
+            new_tokens += made
             ran += 1
             faults.point("regenerate.batch")
             bar.update(len(batch))

@@ -20,7 +20,7 @@ import torch
 
 from dflashpipe.codecs import CODECS, Encoded, decode
 from dflashpipe.errors import DataError, IntegrityError
-from dflashpipe.storage import sha256_file
+from dflashpipe.storage import cached_sha256
 
 FORMAT_VERSION = "1"
 
@@ -169,7 +169,7 @@ def build_manifest(shard_paths: list[Path]) -> dict:
         tokens = int(pc.sum(shard.table.column("num_tokens")).as_py() or 0)
         shards.append(
             {"path": str(path), "samples": len(shard), "tokens": tokens, "bytes": path.stat().st_size,
-             "sha256": sha256_file(path), "skipped": stats.get("skipped", {})}
+             "sha256": cached_sha256(path), "skipped": stats.get("skipped", {})}
         )  # fmt: skip
     if first is None:
         raise DataError("no feature shards to gather into a manifest")
@@ -211,7 +211,7 @@ def verify_shard(path: Path, manifest: dict) -> None:
         raise DataError(f"{path} is not listed in the feature manifest")
     if not path.is_file():
         raise DataError(f"feature shard not found: {path} (listed in the manifest)")
-    got = sha256_file(path)
+    got = cached_sha256(path)  # once per shard, not again on every restart of training
     if got != entry["sha256"]:
         raise IntegrityError(
             f"{path}: sha256 {got} does not match the manifest's {entry['sha256']}"

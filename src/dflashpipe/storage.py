@@ -9,6 +9,7 @@ import hashlib
 import json
 import os
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,9 @@ from dflashpipe.errors import DiskFullError
 
 _UMASK = os.umask(0)
 os.umask(_UMASK)
+# per-user cache: converted GGUF targets, remembered checksums
+CACHE_DIR = Path(os.environ.get("DFLASHPIPE_CACHE", Path.home() / ".cache" / "dflashpipe"))
+RACY_S = 2.0  # a file changed this recently may change again within its mtime's resolution
 
 
 @contextlib.contextmanager
@@ -97,3 +101,27 @@ def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
         while block := f.read(chunk):
             h.update(block)
     return h.hexdigest()
+
+
+def cached_sha256(path: str | Path) -> str:
+    """sha256 of a file, remembered under CACHE_DIR by (real path, inode, size, mtime, ctime):
+    weights and feature shards run to GBs or TBs and are hashed once, not on every load or
+    restart. Any write changes mtime/ctime, so a changed file is hashed again; a file changed
+    within RACY_S of its hashing is not remembered (timestamps are coarser than writes)."""
+    real = Path(path).resolve()
+    st = real.stat()
+    key = f"{real}|{st.st_ino}|{st.st_size}|{st.st_mtime_ns}|{st.st_ctime_ns}"
+    cache_file = CACHE_DIR / "sha256.json"
+    try:
+        cache = json.loads(cache_file.read_text())
+    except (OSError, ValueError):
+        cache = {}
+    if key in cache:
+        return cache[key]
+    digest = sha256_file(real)
+    if time.time() - max(st.st_mtime, st.st_ctime) > RACY_S:
+        cache[key] = digest
+        with contextlib.suppress(OSError):  # an unwritable cache only costs hashing again
+            cache_file.parent.mkdir(parents=True, exist_ok=True)
+            write_json(cache_file, cache)
+    return digest

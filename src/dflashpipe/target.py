@@ -10,23 +10,22 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import shutil
 import tempfile
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import safetensors.torch
 import torch
 
+from dflashpipe import storage
 from dflashpipe.config import TargetConfig
 from dflashpipe.errors import DataError
-from dflashpipe.storage import sha256_file
 
 log = logging.getLogger(__name__)
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt")
-_HASH_CACHE = Path(os.environ.get("DFLASHPIPE_CACHE", Path.home() / ".cache" / "dflashpipe"))
 
 
 @dataclass(frozen=True)
@@ -70,13 +69,13 @@ def gguf_cache(cfg: TargetConfig) -> Path | None:
     tokenizer, made on first use and shared by every later load. Parsing a GGUF costs 15-40 s
     per load (config, tokenizer and weights each parse it), a job's whole budget on a small
     target; the directory loads in about a second. Keyed by the GGUF's sha256 under
-    $DFLASHPIPE_CACHE (default ~/.cache/dflashpipe); None for other targets."""
+    storage.CACHE_DIR ($DFLASHPIPE_CACHE, default ~/.cache/dflashpipe); None for other targets."""
     if not cfg.gguf_file or not _is_local(cfg):
         return None
     gguf = Path(cfg.model) / cfg.gguf_file
     if not gguf.is_file():
         raise DataError(f"target GGUF file {gguf} does not exist (run `snakemake resources`?)")
-    final = _HASH_CACHE / "gguf" / _file_sha256(gguf)
+    final = storage.CACHE_DIR / "gguf" / _file_sha256(gguf)
     if (final / "config.json").is_file():
         return final
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -149,6 +148,7 @@ def load_target(cfg: TargetConfig, device: torch.device, base_only: bool = False
     `base_only` loads the decoder stack without the LM head (AutoModel), as extract needs."""
     from transformers import AutoModel, AutoModelForCausalLM
 
+    start = time.perf_counter()
     tok = load_tokenizer(cfg)
     name, kwargs = _source(cfg)
     try:
@@ -161,6 +161,7 @@ def load_target(cfg: TargetConfig, device: torch.device, base_only: bool = False
     except (OSError, ValueError, ImportError) as e:
         raise DataError(f"cannot load target {cfg.model!r}: {e}") from None
     model.to(device).eval().requires_grad_(False)
+    log.info("target %s loaded on %s in %.1f s", name, device, time.perf_counter() - start)
     return model, tok
 
 
@@ -183,25 +184,11 @@ def weight_files(cfg: TargetConfig) -> list[Path]:
 
 
 def _file_sha256(path: Path) -> str:
-    """sha256 of a weight file, cached by (real path, size, mtime): targets are tens of GB."""
+    """sha256 of a weight file (targets are tens of GB: remembered, see `cached_sha256`)."""
     real = path.resolve()
     if len(real.name) == 64 and real.parent.name == "blobs":
         return real.name  # the HF cache names LFS blobs by their sha256
-    st = real.stat()
-    key = f"{real}|{st.st_size}|{st.st_mtime_ns}"
-    cache_file = _HASH_CACHE / "weights-sha256.json"
-    try:
-        cache = json.loads(cache_file.read_text())
-    except (OSError, ValueError):
-        cache = {}
-    if key not in cache:
-        cache[key] = sha256_file(real)
-        try:
-            cache_file.parent.mkdir(parents=True, exist_ok=True)
-            cache_file.write_text(json.dumps(cache))
-        except OSError:
-            log.debug("cannot write %s; weights will be hashed again next time", cache_file)
-    return cache[key]
+    return storage.cached_sha256(real)
 
 
 def tokenizer_sha256(tok) -> str:
