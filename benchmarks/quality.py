@@ -22,6 +22,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tarfile
 import time
 from pathlib import Path
 
@@ -103,6 +104,22 @@ def stage_times(work: Path) -> str:
     return "\n".join(lines)
 
 
+BUNDLED = ("logs", "benchmarks", "eval", "train/metrics.jsonl", "report.md", "report",
+           "features/manifest.json", "config.resolved.yaml")  # fmt: skip
+
+
+def bundle(runs: Path, dest: Path) -> None:
+    """The small files of every run (no shards, checkpoints or weights) in one .tar.gz."""
+    with tarfile.open(dest, "w:gz") as tar:
+        for work in sorted(runs.glob("quality-*")):
+            for name in BUNDLED:
+                path = work / "results" / name
+                if path.exists():
+                    tar.add(path, arcname=f"{work.name}/{name}")
+        for log in sorted(runs.glob("quality-*/quality.log")):
+            tar.add(log, arcname=f"{log.parent.name}/quality.log")
+
+
 def _read(path: Path):
     return json.loads(path.read_text()) if path.is_file() else None
 
@@ -165,6 +182,9 @@ def main() -> None:
     ap.add_argument("--configfile", action="append", default=[],
                     help="one more config file on top (e.g. smaller sizes for a CPU check)")  # fmt: skip
     ap.add_argument("--out", default=None, help="also write the rows as JSON here")
+    ap.add_argument("--bundle", default=None,
+                    help="also pack every run's logs, metrics, benchmark files and report into this "
+                         ".tar.gz (one file to bring back from a remote machine)")  # fmt: skip
     args = ap.parse_args()
     deadline = time.monotonic() + (args.time_limit or float("inf"))
     rc = 0
@@ -179,6 +199,8 @@ def main() -> None:
     rows = [r for w in sorted(Path(args.runs).glob("quality-*")) if (r := row(w))]
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=2))
+    if args.bundle:
+        bundle(Path(args.runs), Path(args.bundle))
     print(table(rows) if rows else "no finished quality runs yet")
     sys.exit(rc)
 

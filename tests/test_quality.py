@@ -5,6 +5,7 @@ run's finished stages instead of redoing them, and the summary table reports bot
 import json
 import subprocess
 import sys
+import tarfile
 
 import pytest
 from conftest import REPO, write_yaml
@@ -26,7 +27,7 @@ def test_quality_driver_main_and_fp8_variant(tmp_path, smollm2_dir):
     runs = tmp_path / "runs"
     cmd = [sys.executable, str(REPO / "benchmarks" / "quality.py"), "main", "fp8",
            "--runs", str(runs), "--configfile", str(tiny), "--cores", "2",
-           "--out", str(tmp_path / "rows.json")]  # fmt: skip
+           "--out", str(tmp_path / "rows.json"), "--bundle", str(tmp_path / "logs.tar.gz")]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=1500)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     main, fp8 = runs / "quality-main" / "results", runs / "quality-fp8" / "results"
@@ -47,3 +48,9 @@ def test_quality_driver_main_and_fp8_variant(tmp_path, smollm2_dir):
     assert rows["fp8"]["bytes_per_token"] < rows["main"]["bytes_per_token"]
     assert "| fp8 |" in done.stdout and "| main |" in done.stdout
     assert "extract/shard-00000" in done.stdout  # per-job times from the benchmark files
+    with tarfile.open(tmp_path / "logs.tar.gz") as tar:  # the small files, no shards or weights
+        names = set(tar.getnames())
+    for run in ("quality-main", "quality-fp8"):
+        assert {f"{run}/eval/metrics.json", f"{run}/train/metrics.jsonl", f"{run}/report.md",
+                f"{run}/logs/evaluate.log", f"{run}/quality.log"} <= names  # fmt: skip
+    assert not [n for n in names if n.endswith((".arrow", ".parquet", ".safetensors", ".pt"))]
