@@ -96,8 +96,10 @@ def loader_rate(ds: PackedBatches, workers: int, pin: bool) -> float:
     return n / (time.perf_counter() - t)
 
 
-def step_time(model: Drafter, batch: dict, steps: int) -> tuple[float, float]:
-    """Median seconds per optimizer step and FLOPs per step."""
+def step_time(model: Drafter, batch: dict, steps: int, accum: int = 1) -> tuple[float, float]:
+    """Median seconds per micro-batch and FLOPs per micro-batch. A step is `accum` micro-batches'
+    forward + backward, then clipping and the optimizer, as the train stage runs
+    `tokens_per_step` (accum 1: the optimizer after every micro-batch)."""
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4, fused=batch["input_ids"].is_cuda)
     head = compute_head(model, batch["input_ids"].device)
@@ -105,14 +107,15 @@ def step_time(model: Drafter, batch: dict, steps: int) -> tuple[float, float]:
     for i in range(steps + 3):
         sync()
         t = time.perf_counter()
-        loss, _ = forward_loss(model, head, batch, model.config.block_size, 7.0)
-        loss.backward()
+        for _ in range(accum):
+            loss, _ = forward_loss(model, head, batch, model.config.block_size, 7.0)
+            (loss / accum).backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         sync()
         if i >= 3:  # the first steps compile
-            times.append(time.perf_counter() - t)
+            times.append((time.perf_counter() - t) / accum)
         if flops is None:
             pos = torch.where(batch["keep"], batch["position_ids"][batch["anchors"]], -1)
             flops = float(step_flops(model.config, batch["input_ids"].shape[0], len(TAPS), pos))
@@ -124,6 +127,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--sequences", type=int, default=48, help="micro-batches the loader decodes")
     ap.add_argument("--workers", type=int, nargs="+", default=[1, 4, 8])
+    ap.add_argument("--accum", type=int, nargs="+", default=[1],
+                    help="micro-batches per optimizer step (the stage's tokens_per_step); one "
+                         "figure each, the first is the headline")  # fmt: skip
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--out", default="train.json")
     args = ap.parse_args()
@@ -143,8 +149,13 @@ def main() -> None:
             say(f"loader, {w} workers: {res[f'loader_batches_per_s_{w}_workers']:.2f} batches/s")
         batch = {k: v.to(device) for k, v in ds[0].items()}
     model = drafter(shape, device)
-    seconds, flops = step_time(model, batch, args.steps)
-    say(f"step {seconds * 1e3:.1f} ms")
+    seconds, flops = step_time(model, batch, args.steps, args.accum[0])
+    say(f"step {seconds * 1e3:.1f} ms per micro-batch, {args.accum[0]} per optimizer step")
+    for accum in args.accum[1:]:
+        s_acc, _ = step_time(model, batch, args.steps, accum)
+        say(f"step {s_acc * 1e3:.1f} ms per micro-batch, {accum} per optimizer step")
+        res[f"mfu_accum_{accum}"] = flops / s_acc / 989e12 if device.type == "cuda" else None
+        res[f"step_s_accum_{accum}"] = s_acc
     res.update(step_s=seconds, seq_tokens_per_s=shape["tokens"] / seconds,
                query_tokens_per_s=int(batch["keep"].sum()) * 16 / seconds, tflops=flops / seconds / 1e12,
                mfu=flops / seconds / 989e12 if device.type == "cuda" else None,
