@@ -90,3 +90,16 @@ def test_gguf_cache_matches_a_direct_gguf_load(smollm2_dir, tmp_path, monkeypatc
     load_tokenizer(cfg)
     assert (cached / "model.safetensors").stat().st_mtime_ns == stamp  # not made again
     assert [p.name for p in cached.parent.iterdir()] == [cached.name]  # no temporary left
+
+
+def test_gguf_loads_directly_when_the_cache_cannot_be_written(smollm2_dir, tmp_path, monkeypatch):
+    import dflashpipe.storage as storage
+    import dflashpipe.target as target
+
+    blocked = tmp_path / "not-a-directory"
+    blocked.write_text("a file where the cache directory would go")
+    monkeypatch.setattr(storage, "CACHE_DIR", blocked)
+    cfg = TargetConfig(model=str(smollm2_dir), gguf_file=SMOLLM2_GGUF)
+    assert target.gguf_cache(cfg) is None
+    tok = load_tokenizer(cfg)  # straight from the GGUF
+    assert tok.eos_token == "<|im_end|>" and tok.chat_template

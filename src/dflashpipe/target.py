@@ -78,9 +78,18 @@ def gguf_cache(cfg: TargetConfig) -> Path | None:
     final = storage.CACHE_DIR / "gguf" / _file_sha256(gguf)
     if (final / "config.json").is_file():
         return final
+    log.info("converting %s to %s (once)", gguf, final)
+    try:
+        _convert_gguf(cfg, final)
+    except OSError as e:  # no room or no write access: the GGUF still loads, only slower
+        log.warning("cannot write %s (%s); loading %s directly", final, e, gguf)
+        return None
+    return final
+
+
+def _convert_gguf(cfg: TargetConfig, final: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    log.info("converting %s to %s (once)", gguf, final)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name[:16]}.", dir=final.parent))
     tmp.chmod(0o755)
@@ -90,7 +99,7 @@ def gguf_cache(cfg: TargetConfig) -> Path | None:
             tok = AutoTokenizer.from_pretrained(cfg.model, **kwargs)
             model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32, **kwargs)
         except (OSError, ValueError, ImportError) as e:
-            raise DataError(f"cannot load target {gguf}: {e}") from None
+            raise DataError(f"cannot load target {Path(cfg.model) / cfg.gguf_file}: {e}") from None
         tok.save_pretrained(tmp)
         # save_pretrained refuses models loaded through the GGUF quantizer; the weights are
         # plain float32 tensors by now, so they are written directly, each storage once under
@@ -114,7 +123,6 @@ def gguf_cache(cfg: TargetConfig) -> Path | None:
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    return final
 
 
 def _source(cfg: TargetConfig) -> tuple[str, dict]:
