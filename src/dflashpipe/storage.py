@@ -123,5 +123,10 @@ def cached_sha256(path: str | Path) -> str:
         cache[key] = digest
         with contextlib.suppress(OSError):  # an unwritable cache only costs hashing again
             cache_file.parent.mkdir(parents=True, exist_ok=True)
-            write_json(cache_file, cache)
+            # a best-effort cache outside the run: replaced atomically, but not through
+            # atomic_path, whose fault points must not depend on what earlier runs remembered
+            fd, tmp = tempfile.mkstemp(prefix=".sha256.", dir=cache_file.parent)
+            with os.fdopen(fd, "w") as f:
+                json.dump(cache, f)
+            os.replace(tmp, cache_file)
     return digest
