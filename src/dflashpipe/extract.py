@@ -339,13 +339,13 @@ def run(cfg: Config, sequences: str, shard: int, out: str) -> None:
             extractor.run(rows, out_path, info, stats, before_rename=write_stats)
         finally:
             extractor.close()
-        t = extractor.timing
+        t, elapsed = extractor.timing, time.perf_counter() - start
         log.info(
             "shard %d: %.0f tok/s; %.1f s in all, GPU loop %.1f s (waited on the GPU %.1f s, on "
             "the encoders and writer %.1f s)",
             shard,
-            tokens / (time.perf_counter() - start),
-            time.perf_counter() - start,
+            tokens / elapsed,
+            elapsed,
             t["loop"],
             t["blocked_on_gpu"],
             t["blocked_on_host"],

@@ -126,7 +126,10 @@ def cached_sha256(path: str | Path) -> str:
             # a best-effort cache outside the run: replaced atomically, but not through
             # atomic_path, whose fault points must not depend on what earlier runs remembered
             fd, tmp = tempfile.mkstemp(prefix=".sha256.", dir=cache_file.parent)
-            with os.fdopen(fd, "w") as f:
-                json.dump(cache, f)
-            os.replace(tmp, cache_file)
+            try:
+                with os.fdopen(fd, "w") as f:
+                    json.dump(cache, f)
+                os.replace(tmp, cache_file)
+            finally:
+                Path(tmp).unlink(missing_ok=True)  # gone already once replaced
     return digest

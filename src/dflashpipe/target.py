@@ -133,15 +133,15 @@ def _source(cfg: TargetConfig) -> tuple[str, dict]:
     return cfg.model, _hub_kwargs(cfg, _is_local(cfg))
 
 
-def load_tokenizer(cfg: TargetConfig):
+def load_tokenizer(cfg: TargetConfig, source: tuple[str, dict] | None = None):
+    """The target's tokenizer (`source`: the target's `_source`, when the caller has it)."""
     from transformers import AutoTokenizer
 
-    name = cfg.tokenizer or cfg.model
     if cfg.tokenizer:
-        kwargs = _hub_kwargs(cfg, Path(name).exists())
+        name, kwargs = cfg.tokenizer, _hub_kwargs(cfg, Path(cfg.tokenizer).exists())
         kwargs.pop("gguf_file", None)
     else:
-        name, kwargs = _source(cfg)
+        name, kwargs = source or _source(cfg)
     try:
         tok = AutoTokenizer.from_pretrained(name, **kwargs)
     except OSError as e:
@@ -157,8 +157,8 @@ def load_target(cfg: TargetConfig, device: torch.device, base_only: bool = False
     from transformers import AutoModel, AutoModelForCausalLM
 
     start = time.perf_counter()
-    tok = load_tokenizer(cfg)
-    name, kwargs = _source(cfg)
+    name, kwargs = _source(cfg)  # once: for a GGUF target it looks up (or makes) the conversion
+    tok = load_tokenizer(cfg, (name, kwargs))
     try:
         model = (AutoModel if base_only else AutoModelForCausalLM).from_pretrained(
             name,
