@@ -58,3 +58,25 @@ def test_wrong_input_and_codec():
     with pytest.raises(ValueError, match="unknown codec"):
         encode(torch.zeros(2, 4, dtype=torch.bfloat16), "gzip", 1)
     assert set(CODECS) == {"raw", "bf16-zstd", "fp8-zstd"}
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_decode_into_a_slice_writes_only_its_tokens(codec):
+    block = _block()
+    enc = encode(block, codec, n_layers=3)
+    whole = decode(enc, codec, 37, 192, 3)
+    batch = torch.full((50, 192), 7.0, dtype=torch.bfloat16)  # a packed batch: rows 5..24
+    got = decode(enc, codec, 37, 192, 3, out=batch[5:25])
+    assert got.data_ptr() == batch[5].data_ptr()
+    assert torch.equal(batch[5:25].view(torch.int16), whole[:20].view(torch.int16))
+    assert (batch[:5] == 7).all() and (batch[25:] == 7).all()  # nothing outside the slice
+    with pytest.raises(ValueError, match="contiguous bfloat16"):
+        decode(enc, codec, 37, 192, 3, out=torch.empty(40, 192, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="contiguous bfloat16"):
+        decode(enc, codec, 37, 192, 3, out=torch.empty(192, 20, dtype=torch.bfloat16).t())
+
+
+def test_a_plane_longer_than_the_block_is_a_data_error():
+    enc = encode(_block(), "bf16-zstd", n_layers=3)  # 37 tokens, read as if it held 36
+    with pytest.raises(DataError, match="more than the expected 6912 bytes"):
+        decode(enc, "bf16-zstd", 36, 192, 3)

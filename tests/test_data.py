@@ -49,3 +49,27 @@ def test_batches_have_fixed_shapes_and_resume(tiny_features):
     assert len(resumed) == len(full) - 2
     for a, c in zip(full[2:], resumed, strict=True):
         assert all(torch.equal(a[k], c[k]) for k in a)
+
+
+def test_packed_states_are_the_shards_rows_and_padding_is_zero(tiny_features):
+    """Samples decode straight into the batch (cut to the budget), in workers too, where the
+    batch is born in shared memory; the rows after the last sample are zeros."""
+    from dflashpipe.shards import FeatureShard
+
+    shards = tiny_features["shards"]
+    samples = index_samples(shards, 64, {})  # 64-token budget: longer samples are cut
+    assert any(s.length == 64 for s in samples)
+    plan = epoch_plan(samples, 64, seed=0, epoch=0, rank=0, world=1)
+    ds = PackedBatches(shards, samples, plan, tokens=64, anchors=8, seed=0, epoch=0)
+    opened = [FeatureShard(p) for p in shards]
+    for _ in range(2):  # a second pass reuses freed memory: padding must still be zeroed
+        batches = list(make_loader(ds, 0, workers=1, pin=False)) + [ds[k] for k in range(len(ds))]
+        for k, b in enumerate(batches):
+            at = 0
+            for i in plan[k % len(plan)]:
+                s = samples[i]
+                want = opened[s.shard].sample(s.row)["hidden"][: s.length]
+                assert torch.equal(b["target_hidden"][at : at + s.length], want)
+                at += s.length
+            assert (b["target_hidden"][at:] == 0).all()
+    assert any(sum(samples[i].length for i in bins) < 64 for bins in plan)  # padding was tested

@@ -94,29 +94,74 @@ def encode(block: torch.Tensor, codec: str, n_layers: int, level: int = 1) -> En
     return pack(prepare(block, codec, n_layers), codec, level)
 
 
-def decode(enc: Encoded, codec: str, num_tokens: int, width: int, n_layers: int) -> torch.Tensor:
-    """The (num_tokens, width) bf16 tensor of an encoded block."""
+def _planes(n: int) -> tuple[np.ndarray, np.ndarray]:
+    """This thread's two n-byte scratch planes, reused across blocks: a fresh 60 MB buffer per
+    block costs as much in page faults as decompressing into it."""
+    planes = getattr(_local, "planes", None)
+    if planes is None or planes[0].size < n:
+        planes = _local.planes = (np.empty(n, np.uint8), np.empty(n, np.uint8))
+    return planes[0][:n], planes[1][:n]
+
+
+def _decompress_into(frame, dst: np.ndarray) -> None:
+    """Decompress one zstd frame into dst, which it must fill exactly."""
+    reader = _decompressor().stream_reader(frame)
+    view, got = memoryview(dst), 0
+    while got < dst.size and (k := reader.readinto(view[got:])):
+        got += k
+    if got != dst.size:
+        raise ValueError(f"a plane holds {got} bytes, expected {dst.size}")
+    if reader.read(1):
+        raise ValueError(f"a plane holds more than the expected {dst.size} bytes")
+
+
+def decode(
+    enc: Encoded,
+    codec: str,
+    num_tokens: int,
+    width: int,
+    n_layers: int,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The (num_tokens, width) bf16 tensor of an encoded block. With `out`, a contiguous
+    (m, width) bf16 CPU tensor with m <= num_tokens (a slice of a packed batch, say), the first m
+    tokens are written there, with no intermediate copy of the block, and `out` is returned."""
     n = num_tokens * width
+    if out is None:
+        out = torch.empty(num_tokens, width, dtype=torch.bfloat16)
+    elif (
+        out.dtype != torch.bfloat16
+        or out.shape[1:] != (width,)
+        or out.shape[0] > num_tokens
+        or not out.is_contiguous()
+    ):
+        raise ValueError(
+            f"out is {out.dtype} {tuple(out.shape)}; expected a contiguous bfloat16 "
+            f"(<= {num_tokens}, {width})"
+        )
+    m = out.shape[0] * width
+    dst = out.view(torch.int16).numpy().reshape(-1).view(np.uint16)  # shares out's memory
     try:
         if codec == "raw":
-            data = np.frombuffer(enc.hidden, dtype=np.int16, count=n)
-            return torch.from_numpy(data.copy()).view(torch.bfloat16).view(num_tokens, width)
+            data = np.frombuffer(enc.hidden, dtype=np.uint16, count=n)
+            dst[:] = data[:m]
+            return out
         if codec == "bf16-zstd":
-            d = _decompressor()
-            high = np.frombuffer(d.decompress(enc.hidden[: enc.split]), dtype=np.uint8)
-            low = np.frombuffer(d.decompress(enc.hidden[enc.split :]), dtype=np.uint8)
-            if high.size != n or low.size != n:
-                raise ValueError(f"planes hold {high.size} and {low.size} bytes, expected {n}")
-            bits = (high.astype(np.uint16) << 8) | low
-            return torch.from_numpy(bits.view(np.int16).reshape(num_tokens, width)).view(
-                torch.bfloat16
-            )
+            high, low = _planes(n)
+            _decompress_into(enc.hidden[: enc.split], high)
+            _decompress_into(enc.hidden[enc.split :], low)
+            np.left_shift(high[:m], 8, out=dst, dtype=np.uint16)
+            np.bitwise_or(dst, low[:m], out=dst)
+            return out
         if codec == "fp8-zstd":
             raw = np.frombuffer(_decompressor().decompress(enc.hidden), dtype=np.uint8).copy()
+            if raw.size != n:
+                raise ValueError(f"the block holds {raw.size} bytes, expected {n}")
             q = torch.from_numpy(raw).view(torch.float8_e4m3fn).view(num_tokens, n_layers, -1)
             scales = torch.from_numpy(np.frombuffer(enc.scales, dtype=np.float32).copy())
             x = q.float() * scales.view(num_tokens, n_layers, 1)
-            return x.view(num_tokens, width).to(torch.bfloat16)
+            out.copy_(x.view(num_tokens, width)[: out.shape[0]])
+            return out
     except (zstandard.ZstdError, ValueError, TypeError) as e:
         raise DataError(f"cannot decode a {codec} block of {num_tokens}x{width}: {e}") from None
     raise ValueError(f"unknown codec {codec!r}; expected one of {CODECS}")

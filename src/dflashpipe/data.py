@@ -12,6 +12,7 @@ pure function of (seed, epoch, lengths, rank, world size), so a run resumes mid-
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow.compute as pc
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, get_worker_info
 
 from dflashpipe.anchors import sample_anchors
 from dflashpipe.errors import DataError
@@ -100,21 +101,21 @@ class PackedBatches(Dataset):
         pos = torch.zeros(T, dtype=torch.long)
         docs = torch.full((T,), -1, dtype=torch.long)
         mask = torch.zeros(T, dtype=torch.long)
-        hidden = None
+        first = self._shard(self.samples[self.plan[k][0]].shard).info
+        # each sample decodes straight into its rows of the batch; only the padding is zeroed
+        hidden = _batch_tensor((T, len(first.layer_ids) * first.hidden_size), torch.bfloat16)
         names, at = [], 0
         for d, i in enumerate(self.plan[k]):
             sample = self.samples[i]
-            row = self._shard(sample.shard).sample(sample.row)
             n = sample.length
-            if hidden is None:
-                hidden = torch.zeros(T, row["hidden"].shape[1], dtype=torch.bfloat16)
+            row = self._shard(sample.shard).sample(sample.row, out=hidden[at : at + n])
             ids[at : at + n] = row["input_ids"][:n]
             mask[at : at + n] = row["loss_mask"][:n]
-            hidden[at : at + n] = row["hidden"][:n]
             pos[at : at + n] = torch.arange(n)
             docs[at : at + n] = d
             names.append(row["sample_id"])
             at += n
+        hidden[at:] = 0
         anchors, keep = sample_anchors(mask, docs, names, num_anchors=self.anchors,
                                        budget=self.anchors, seed=self.seed, epoch=self.epoch)  # fmt: skip
         # which samples are in the pack (fixed length, for naming them if the loss turns NaN)
@@ -123,6 +124,17 @@ class PackedBatches(Dataset):
         return {"input_ids": ids, "position_ids": pos, "document_ids": docs, "loss_mask": mask,
                 "target_hidden": hidden, "anchors": anchors, "keep": keep,
                 "sample_index": sample_index}  # fmt: skip
+
+
+def _batch_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialized tensor; in a DataLoader worker it is born in shared memory, so handing
+    it to the main process moves no bytes (a private-memory tensor is copied into a new shared
+    segment there: one more pass over the largest array of the batch)."""
+    new_shared = getattr(torch.UntypedStorage, "_new_shared", None)  # torch's own, for workers
+    if get_worker_info() is None or new_shared is None:
+        return torch.empty(shape, dtype=dtype)
+    storage = new_shared(math.prod(shape) * dtype.itemsize)
+    return torch.empty(0, dtype=dtype).set_(storage, 0, shape)
 
 
 def make_loader(dataset: PackedBatches, start: int, workers: int, pin: bool) -> DataLoader:

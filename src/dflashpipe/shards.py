@@ -35,6 +35,7 @@ FEATURE_SCHEMA = pa.schema(
         ("scales", pa.binary()),
     ]
 )
+_SMALL_COLUMNS = [name for name in FEATURE_SCHEMA.names if name != "hidden"]
 
 
 @dataclass(frozen=True)
@@ -129,6 +130,7 @@ class FeatureShard:
             raise DataError(f"{self.path}: not an Arrow IPC file ({e})") from None
         self.info = ShardInfo.from_metadata(self._reader.schema.metadata or {}, self.path)
         self.table = self._reader.read_all()
+        self._chunk_starts: np.ndarray | None = None
 
     def __len__(self) -> int:
         return self.table.num_rows
@@ -139,17 +141,35 @@ class FeatureShard:
         path = stats_path(self.path)
         return json.loads(path.read_text()) if path.is_file() else {}
 
-    def sample(self, i: int) -> dict:
-        """Row i with `hidden` decoded to a (T, n_layers * H) bf16 tensor."""
-        row = self.table.slice(i, 1).to_pylist()[0]
+    def sample(self, i: int, out: torch.Tensor | None = None) -> dict:
+        """Row i with `hidden` decoded to a (T, n_layers * H) bf16 tensor; with `out` (a
+        contiguous bf16 (m, n_layers * H), m <= T, e.g. a slice of a packed batch) its first m
+        tokens are decoded into `out`, which becomes `hidden`. The encoded block is read straight
+        from the memory-mapped file."""
+        row = self.table.select(_SMALL_COLUMNS).slice(i, 1).to_pylist()[0]
         n_layers = len(self.info.layer_ids)
-        enc = Encoded(row["hidden"], row["hidden_split"], row["scales"])
+        enc = Encoded(self._hidden_buffer(i), row["hidden_split"], row["scales"])
         row["hidden"] = decode(
-            enc, self.info.codec, row["num_tokens"], n_layers * self.info.hidden_size, n_layers
-        )
+            enc, self.info.codec, row["num_tokens"], n_layers * self.info.hidden_size, n_layers,
+            out=out,
+        )  # fmt: skip
         row["input_ids"] = torch.tensor(row["input_ids"], dtype=torch.int32)
         row["loss_mask"] = torch.tensor(row["loss_mask"], dtype=torch.uint8)
         return row
+
+    def _hidden_buffer(self, i: int) -> pa.Buffer:
+        """Row i's encoded block as a zero-copy slice of the mapped file (to_pylist would copy
+        the whole block into a Python bytes object first)."""
+        column = self.table.column("hidden")
+        if self._chunk_starts is None:
+            self._chunk_starts = np.cumsum([0] + [len(c) for c in column.chunks])
+        c = int(np.searchsorted(self._chunk_starts, i, side="right")) - 1
+        chunk, j = column.chunk(c), i - int(self._chunk_starts[c])
+        _, offsets, data = chunk.buffers()
+        kind = np.int64 if pa.types.is_large_binary(chunk.type) else np.int32
+        at = (chunk.offset + j) * np.dtype(kind).itemsize
+        start, end = np.frombuffer(offsets, kind, count=2, offset=at)
+        return data.slice(int(start), int(end - start))
 
     def __iter__(self) -> Iterator[dict]:
         for i in range(len(self)):
