@@ -145,6 +145,7 @@ def row(work: Path) -> dict | None:
         "speedup": ev["speedup"],
         "lookup_speedup": lookup["speedup"],
         "expected_tau": last.get("expected_acceptance"),
+        "held_out_expected_tau": last.get("val_expected_acceptance"),
         "steps": last.get("step"),
         "codec": manifest.get("codec"),
         "bytes_per_token": totals["bytes"] / totals["tokens"] if totals.get("tokens") else None,
@@ -156,7 +157,7 @@ def table(rows: list[dict]) -> str:
     sources = sorted({s for r in rows for s in r["tau"]})
     head = ["variant", *(f"tau {s}" for s in sources), *(f"lookup {s}" for s in sources),
             "tau all", "lookup all", "lossless", "bf16 agree", "speedup", "lookup speedup",
-            "expected tau", "steps", "codec", "bytes/token"]  # fmt: skip
+            "expected tau", "held-out expected tau", "steps", "codec", "bytes/token"]  # fmt: skip
 
     def f(x, spec=".3f"):
         return "-" if x is None else format(x, spec) if isinstance(x, float) else str(x)
@@ -167,7 +168,8 @@ def table(rows: list[dict]) -> str:
                  *(f(r["lookup_tau"].get(s)) for s in sources), f(r["tau_all"]),
                  f(r["lookup_all"]), f(r["lossless"]), f(r["bf16_agreement"], ".2f"),
                  f(r["speedup"], ".2f"), f(r["lookup_speedup"], ".2f"), f(r["expected_tau"]),
-                 f(r["steps"]), f(r["codec"]), f(r["bytes_per_token"], ",.0f")]  # fmt: skip
+                 f(r.get("held_out_expected_tau")), f(r["steps"]), f(r["codec"]),
+                 f(r["bytes_per_token"], ",.0f")]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

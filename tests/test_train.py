@@ -11,6 +11,7 @@ import torch
 from conftest import write_yaml
 
 from dflashpipe.config import Config
+from dflashpipe.data import Sample, split_validation
 from dflashpipe.errors import DataError
 from dflashpipe.export import load_drafter
 from dflashpipe.train import Trainer, launch
@@ -51,10 +52,35 @@ def test_train_exports_a_drafter_and_learns(tmp_path, tiny_features, tiny_target
 
 
 def test_two_processes(tmp_path, tiny_features):
-    args, out = _train(tmp_path, tiny_features, "ddp", cpu_processes=2, epochs=1)
+    args, out = _train(tmp_path, tiny_features, "ddp", cpu_processes=2, epochs=1, val_samples=8)
     launch(*args)
     assert (out / "drafter" / "model.safetensors").is_file()
-    assert _rows(out / "metrics.jsonl")[-1]["step"] >= 2
+    rows = _rows(out / "metrics.jsonl")
+    assert rows[-1]["step"] >= 2
+    assert rows[-1]["val_expected_acceptance"] >= 1  # held-out part of each rank, reduced
+
+
+def test_held_out_samples_are_measured_and_never_trained_on(tmp_path, tiny_features):
+    samples = [Sample(0, i, 10) for i in range(24)]
+    train, held = split_validation(samples, 6, seed=3)
+    assert len(held) == 6 and not {(s.row) for s in train} & {s.row for s in held}
+    assert split_validation(samples, 6, seed=3) == (train, held)  # same split on every rank/run
+    assert split_validation(samples, 0, seed=3) == (samples, [])
+    with pytest.raises(DataError, match="val_samples 24 would hold out all 24"):
+        split_validation(samples, 24, seed=3)
+    args, out = _train(tmp_path, tiny_features, "val", val_samples=6, val_every=2, epochs=1)
+    launch(*args)
+    rows = _rows(out / "metrics.jsonl")
+    measured = [r for r in rows if "val_loss" in r]
+    assert [r["step"] for r in measured] == [
+        r["step"] for r in rows if r["step"] % 2 == 0 or r is rows[-1]
+    ]
+    assert measured and measured[-1]["step"] == rows[-1]["step"]
+    for r in measured:
+        assert 0 < r["val_loss"] < 100 and len(r["val_slot_accuracy"]) == 7
+        assert r["val_expected_acceptance"] >= 1
+    # the held-out pass uses fixed batches: two measurements differ only by training
+    assert measured[0]["val_loss"] != measured[-1]["val_loss"] or len(measured) == 1
 
 
 def test_fsdp_matches_ddp_and_resumes_after_a_kill(tmp_path, tiny_features, monkeypatch):

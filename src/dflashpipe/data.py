@@ -58,6 +58,21 @@ def index_samples(shard_paths: list[Path], tokens: int, stats: dict) -> list[Sam
     return samples
 
 
+def split_validation(samples: list[Sample], n: int, seed: int) -> tuple[list[Sample], list[Sample]]:
+    """(train, held out): n samples chosen by a seeded shuffle, the same on every rank and run."""
+    if n == 0:
+        return samples, []
+    if n >= len(samples):
+        raise DataError(
+            f"train.val_samples {n} would hold out all {len(samples)} trainable samples"
+        )
+    order = list(range(len(samples)))
+    random.Random(f"{seed}/validation").shuffle(order)
+    held = set(order[:n])
+    train = [s for i, s in enumerate(samples) if i not in held]
+    return train, [s for i, s in enumerate(samples) if i in held]
+
+
 def epoch_plan(
     samples: list[Sample], tokens: int, seed: int, epoch: int, rank: int, world: int
 ) -> list[list[int]]:

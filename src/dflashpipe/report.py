@@ -63,6 +63,10 @@ def plot_acceptance(rows: list[dict], evaluation: dict, dest: Path) -> None:
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot([r["step"] for r in rows], [r["expected_acceptance"] for r in rows],
             label="expected, from training slot accuracies")  # fmt: skip
+    held = [r for r in rows if "val_expected_acceptance" in r]
+    if held:
+        ax.plot([r["step"] for r in held], [r["val_expected_acceptance"] for r in held], "o-",
+                label="expected, from held-out slot accuracies")  # fmt: skip
     ax.axhline(evaluation["acceptance_length"], color="C1", linestyle="--",
                label=f"measured tau {evaluation['acceptance_length']:.2f} (evaluate)")  # fmt: skip
     lookup = evaluation["baseline"]["prompt_lookup"]["acceptance_length"]
@@ -85,6 +89,15 @@ def _fmt(x: float | None) -> str:
     return "-" if x is None else f"{x:.3f}"
 
 
+def _held_out(rows: list[dict]) -> str:
+    held = [r for r in rows if "val_expected_acceptance" in r]
+    if not held:
+        return ""
+    r = held[-1]
+    return (f"; on held-out samples (step {r['step']}): loss {r['val_loss']:.4f}, expected "
+            f"acceptance length {r['val_expected_acceptance']:.3f}")  # fmt: skip
+
+
 def summary(rows: list[dict], evaluation: dict, prompts: dict, manifest: dict, img: str) -> str:
     """The Markdown summary; `img` is the plot folder relative to the Markdown file."""
     tps = evaluation["tokens_per_s"]
@@ -102,7 +115,7 @@ def summary(rows: list[dict], evaluation: dict, prompts: dict, manifest: dict, i
 - features: {totals["samples"]} samples, {totals["tokens"]} tokens, {totals["bytes"] / 1e6:.1f} MB ({manifest["codec"]}), layers {manifest["layer_ids"]} of {manifest["target"]["name"]}
 
 ## Training
-- {rows[-1]["step"]} optimizer steps; final loss {rows[-1]["loss"]:.4f}; expected acceptance length {rows[-1]["expected_acceptance"]:.3f}
+- {rows[-1]["step"]} optimizer steps; final loss {rows[-1]["loss"]:.4f}; expected acceptance length {rows[-1]["expected_acceptance"]:.3f}{_held_out(rows)}
 
 ![loss]({img}/loss.png)
 ![acceptance]({img}/acceptance.png)

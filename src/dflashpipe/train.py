@@ -34,7 +34,13 @@ from tqdm import tqdm
 
 from dflashpipe import checkpoint, faults
 from dflashpipe.config import Config, load_config
-from dflashpipe.data import PackedBatches, epoch_plan, index_samples, make_loader
+from dflashpipe.data import (
+    PackedBatches,
+    epoch_plan,
+    index_samples,
+    make_loader,
+    split_validation,
+)
 from dflashpipe.errors import DataError, DflashpipeError
 from dflashpipe.export import save_drafter
 from dflashpipe.loss import block_labels, default_gamma, dflash_loss
@@ -153,7 +159,17 @@ class Trainer:
         self.tokens = self.tc["micro_batch_tokens"] or self.tc["max_length"]
         self._build_model()
         self.stats: dict = {}
-        self.samples = index_samples(self.shards, self.tokens, self.stats)
+        self.samples, self.val_samples = split_validation(
+            index_samples(self.shards, self.tokens, self.stats), self.tc["val_samples"],
+            self.tc["seed"],
+        )  # fmt: skip
+        if self.val_samples:
+            try:
+                self._val_plan = epoch_plan(
+                    self.val_samples, self.tokens, self.tc["seed"], 0, self.rank, self.world
+                )
+            except DataError as e:
+                raise DataError(f"train.val_samples {len(self.val_samples)}: {e}") from None
         self.per_epoch = len(
             epoch_plan(self.samples, self.tokens, self.tc["seed"], 0, self.rank, self.world)
         )
@@ -210,6 +226,8 @@ class Trainer:
         self.fingerprint.update(
             world=self.world, micro_batch_tokens=self.tokens, num_anchors=self.tc["num_anchors"]
         )
+        if self.tc["val_samples"]:  # the held-out samples are not in the training data
+            self.fingerprint["val_samples"] = self.tc["val_samples"]
         if self.fsdp:  # its checkpoints key the optimizer state by name, DDP's by position
             self.fingerprint["parallel"] = "fsdp"
 
@@ -323,7 +341,12 @@ class Trainer:
                 self.scheduler.step()
                 self.step += 1
                 faults.point("train.step")
-                logger.maybe_write(self.step)
+                validation = None
+                if self._validate_now():  # its time is not training time (tokens/s, MFU)
+                    t0 = time.perf_counter()
+                    validation = self.validate()
+                    logger.start += time.perf_counter() - t0
+                logger.maybe_write(self.step, validation)
                 if self.step % self.tc["checkpoint_every"] == 0 or self.step >= self.total_steps:
                     logger.check_finite(self.step)
                     self.save()
@@ -334,6 +357,30 @@ class Trainer:
                 self.epoch, self.micro = self.epoch + 1, 0
         logger.close()
 
+    def _validate_now(self) -> bool:
+        last = self.step >= self.total_steps
+        return bool(self.val_samples) and (self.step % self.tc["val_every"] == 0 or last)
+
+    @torch.no_grad()
+    def validate(self) -> dict:
+        """Loss, slot accuracy and expected acceptance length on the held-out samples (the same
+        micro-batches and anchors every time), reduced over ranks."""
+        B = self.dcfg.block_size
+        data = PackedBatches(self.shards, self.val_samples, self._val_plan, self.tokens,
+                             self.tc["num_anchors"], self.tc["seed"], epoch=0)  # fmt: skip
+        vec = torch.zeros(2 * B - 1, device=self.device)  # loss sum, correct (B-1), labels (B-1)
+        for batch in make_loader(data, 0, workers=0, pin=False):
+            b = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+            loss, m = forward_loss(self.model, self.head, b, B, self.gamma)
+            vec += torch.cat([loss.detach()[None], m["slot_accuracy"] * m["slot_labels"],
+                              m["slot_labels"]])  # fmt: skip
+        if self.world > 1:
+            dist.all_reduce(vec)
+        acc = (vec[1:B] / vec[B:].clamp_min(1)).tolist()
+        return {"val_loss": vec[0].item() / (len(self._val_plan) * self.world),
+                "val_slot_accuracy": [round(a, 4) for a in acc],
+                "val_expected_acceptance": expected_acceptance(acc)}  # fmt: skip
+
     def save(self) -> None:
         state = self.state_dict()  # every rank: a collective under FSDP
         if self.rank == 0:
@@ -342,6 +389,12 @@ class Trainer:
             )
         if self.world > 1:
             dist.barrier()
+
+
+def expected_acceptance(slot_accuracy: list[float]) -> float:
+    """Acceptance length a drafter with these per-slot accuracies would reach if slots were
+    right independently: 1 (the bonus token) + sum over k of P(slots 1..k all right)."""
+    return float(1 + sum(np.cumprod(slot_accuracy)))
 
 
 class MetricsLog:
@@ -390,9 +443,11 @@ class MetricsLog:
                 f"{[(self.t.shards[s.shard].name, s.row) for s in ids]}; the last good checkpoint is kept"
             )
 
-    def maybe_write(self, step: int) -> None:
+    def maybe_write(self, step: int, validation: dict | None = None) -> None:
+        """The metrics row of `step` at log intervals, the last step and steps with a held-out
+        measurement (`validation`: Trainer.validate's keys, added to the row)."""
         self.bar.update(1)
-        if step % self.every and step < self.t.total_steps:
+        if step % self.every and step < self.t.total_steps and validation is None:
             return
         self.check_finite(step)
         vec = torch.cat([self.loss[None], self.correct, self.labels, self.flops.float()[None]])
@@ -402,9 +457,10 @@ class MetricsLog:
         B = self.t.dcfg.block_size
         acc = (vec[1:B] / vec[B : 2 * B - 1].clamp_min(1)).tolist()
         row = {"step": step, "epoch": self.t.epoch, "loss": vec[0].item() / (self.n * self.t.world),
-               "slot_accuracy": [round(a, 4) for a in acc], "expected_acceptance": 1 + sum(np.cumprod(acc)),
+               "slot_accuracy": [round(a, 4) for a in acc], "expected_acceptance": expected_acceptance(acc),
                "lr": self.t.scheduler.get_last_lr()[0],
-               "tokens_per_s": self.n * self.t.tokens * self.t.world / elapsed}  # fmt: skip
+               "tokens_per_s": self.n * self.t.tokens * self.t.world / elapsed,
+               **(validation or {})}  # fmt: skip
         peak = _peak_flops(self.t.device)
         if peak:
             row["mfu"] = vec[-1].item() / elapsed / (peak * self.t.world)
@@ -414,8 +470,10 @@ class MetricsLog:
             self.bar.set_postfix(loss=f"{row['loss']:.3f}", tau=f"{row['expected_acceptance']:.2f}",
                                  tok_s=f"{row['tokens_per_s']:.0f}", **({"mfu": f"{row['mfu']:.2f}"} if peak else {}))  # fmt: skip
             if self.tb is not None:
-                for k in ("loss", "expected_acceptance", "tokens_per_s", "lr"):
-                    self.tb.add_scalar(k, row[k], step)
+                for k in ("loss", "expected_acceptance", "tokens_per_s", "lr", "val_loss",
+                          "val_expected_acceptance"):  # fmt: skip
+                    if k in row:
+                        self.tb.add_scalar(k, row[k], step)
         self._reset()
         self.start = time.perf_counter()
 
