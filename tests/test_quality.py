@@ -16,7 +16,7 @@ TINY = {
     "extract": {"max_length": 512, "token_budget": 4096},
     "drafter": {"num_layers": 1},
     "train": {"max_steps": 2, "micro_batch_tokens": 512, "num_anchors": 32, "tokens_per_step": None,
-              "log_every": 1, "num_workers": 1},
+              "log_every": 1, "num_workers": 1, "val_samples": 2},
     "evaluate": {"num_prompts": 2, "max_new_tokens": 8},
 }  # fmt: skip
 
