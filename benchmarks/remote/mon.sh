@@ -1,0 +1,21 @@
+#!/bin/bash
+# bash benchmarks/remote/mon.sh SECONDS: the background quality runs' status every 60 s until all
+# are done or SECONDS pass; then the table, and their small files bundled into $OUT/q.tar.gz.
+cd "$(dirname "$0")/../.." && . benchmarks/remote/setup.sh >/dev/null
+end=$((SECONDS + $1))
+status() {
+  echo "== $(date +%T)"
+  for w in /tmp/runs/quality-*; do
+    r=$w/results; n=$(basename $w)
+    echo "$n: done[$(ls $r/benchmarks/*/ 2>/dev/null | grep -c tsv)] $(tail -c 300 $w/quality.log 2>/dev/null | tr '\n\r' '  ' | tail -c 160)"
+    [ -f $r/train/metrics.jsonl ] && tail -1 $r/train/metrics.jsonl | cut -c1-200
+    ls $r/logs/evaluate* >/dev/null 2>&1 && tail -c 200 $r/logs/evaluate*.log 2>/dev/null | tr '\r' '\n' | tail -2
+  done
+  nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader
+}
+while [ $SECONDS -lt $end ] && [ ! -f /tmp/q/ALLDONE ]; do
+  status; sleep $(( (end - SECONDS) < 60 ? (end - SECONDS > 0 ? end - SECONDS : 1) : 60 ))
+done
+status
+python3 benchmarks/quality.py --table --runs /tmp/runs --out $OUT/rows.json --bundle $OUT/q.tar.gz
+cat /tmp/q/*.out > $OUT/drivers.out 2>/dev/null

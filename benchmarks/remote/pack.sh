@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Prepares, on a machine that reaches PyPI and has resources/ retrieved (`snakemake --cores 1
+# resources --configfile configs/smollm2-sharegpt.yaml`), what a GPU machine without network
+# needs to run benchmarks/quality.py, in two parts of under 64 MiB each (one per transfer):
+#   .remote/a: the wheels that machine lacks (wheels.txt, Python 3.12), ShareGPT (zstd), GGUF part 0
+#   .remote/b: GGUF part 1, HumanEval
+# There: `. benchmarks/remote/setup.sh` after each part arrives (it assembles resources/ under
+# /tmp/res once both are there), then `setsid bash benchmarks/remote/bg.sh fp8 ...` starts the
+# runs in the background and `bash benchmarks/remote/mon.sh SECONDS` follows them.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+R=.remote
+rm -rf $R && mkdir -p $R/a/whl $R/b
+wheels=$(grep -v '^connection-pool' benchmarks/remote/wheels.txt)
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+    --platform manylinux2014_x86_64 --platform any -d $R/a/whl $wheels
+python3 -m pip wheel -q --no-deps -w $R/a/whl "$(grep '^connection-pool' benchmarks/remote/wheels.txt)"
+python3 -c "import sys, zstandard; zstandard.ZstdCompressor(level=19, threads=-1).copy_stream(open(sys.argv[1], 'rb'), open(sys.argv[2], 'wb'))" \
+    resources/sharegpt/ShareGPT_V3_unfiltered_cleaned_split.json $R/a/sharegpt.json.zst
+G=resources/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+head -c 35000000 $G > $R/a/gguf.0
+tail -c +35000001 $G > $R/b/gguf.1
+cp resources/humaneval/HumanEval.jsonl.gz $R/b/
+du -sh $R/a $R/b
