@@ -122,6 +122,27 @@ def step_time(model: Drafter, batch: dict, steps: int, accum: int = 1) -> tuple[
     return statistics.median(times), flops
 
 
+def profile_step(model: Drafter, batch: dict, out: Path, rows: int = 30) -> None:
+    """CUDA time per kernel over two steps (after the timed ones: compiled and warm), the
+    table printed and written to `out`, to find where a step's time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-4, fused=True)
+    head = compute_head(model, batch["input_ids"].device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(2):
+            loss, _ = forward_loss(model, head, batch, model.config.block_size, 7.0)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        sync()
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=70)
+    out.write_text(table)
+    print(table, flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=20)
@@ -131,6 +152,7 @@ def main() -> None:
                     help="micro-batches per optimizer step (the stage's tokens_per_step); one "
                          "figure each, the first is the headline")  # fmt: skip
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--profile", help="also write a per-kernel CUDA time table of two steps here")
     ap.add_argument("--out", default="train.json")
     args = ap.parse_args()
     shape = SMOKE if args.smoke else FULL
@@ -160,6 +182,8 @@ def main() -> None:
                query_tokens_per_s=int(batch["keep"].sum()) * 16 / seconds, tflops=flops / seconds / 1e12,
                mfu=flops / seconds / 989e12 if device.type == "cuda" else None,
                peak_mem_gib=torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None)  # fmt: skip
+    if args.profile and device.type == "cuda":
+        profile_step(model, batch, Path(args.profile))
     for w in args.workers:
         res[f"loader_vs_training_{w}_workers"] = res[f"loader_batches_per_s_{w}_workers"] * seconds
     Path(args.out).write_text(json.dumps(res, indent=2))

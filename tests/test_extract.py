@@ -18,7 +18,6 @@ from dflashpipe.extract import (
     forward_taps,
     plan_batches,
     run,
-    start_writeback,
     truncate_base,
 )
 from dflashpipe.prompts import Prompt, prompt_key, write_prompts
@@ -220,13 +219,3 @@ def test_sequences_of_another_tokenizer_are_refused(tiny_target_dir, sequences, 
             str(tmp_path / "o.arrow"),
         )
     assert not (tmp_path / "o.arrow").exists()
-
-
-def test_writeback_keeps_the_bytes(tmp_path):
-    path = tmp_path / "f.bin"
-    data = bytes(range(256)) * 4096
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        assert start_writeback(path, 0, len(data)) == len(data)
-    assert path.read_bytes() == data

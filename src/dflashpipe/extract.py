@@ -34,7 +34,7 @@ from dflashpipe.codecs import pack, prepare
 from dflashpipe.config import Config
 from dflashpipe.errors import DataError
 from dflashpipe.shards import ShardInfo, feature_row, record_batch
-from dflashpipe.storage import atomic_path
+from dflashpipe.storage import DirectFile, atomic_path
 
 log = logging.getLogger(__name__)
 
@@ -124,30 +124,12 @@ def read_sequences(
     return rows
 
 
-WRITEBACK_BYTES = 256 << 20
-
-
-def start_writeback(path: Path, start: int, end: int) -> int:
-    """Start writing [start, end) of `path` to disk now, without waiting for it.
-
-    Left to the page cache, a shard of tens of GB stays dirty in memory until the final fsync,
-    which then stalls for as long as the disk needs for all of it. Asking for the written range
-    to be dropped from the cache makes the kernel begin its writeback at once (Linux), so the
-    disk works while the GPU does and the final fsync finds little left. Returns `end`."""
-    if hasattr(os, "posix_fadvise"):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, start, end - start, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-    return end
-
-
 class ShardWriter(threading.Thread):
     """Writes encoded batches, in the order they were submitted, to an Arrow IPC file."""
 
-    def __init__(self, path: Path, schema: pa.Schema, depth: int):
+    def __init__(self, path: Path, schema: pa.Schema, depth: int, direct_io: bool = True):
         super().__init__(daemon=True)
+        self.direct_io = direct_io
         self.queue: queue.Queue = queue.Queue(maxsize=depth)  # back-pressure on the GPU loop
         self.path, self.schema = path, schema
         self.error: BaseException | None = None
@@ -155,14 +137,14 @@ class ShardWriter(threading.Thread):
 
     def run(self) -> None:
         try:
-            with pa.OSFile(str(self.path), "wb") as sink, pa.ipc.new_file(sink, self.schema) as w:
-                flushed = 0
+            # past the page cache: a shard of tens of GB left dirty there made the disk lag
+            # behind the GPU and the final fsync wait for all of it (benchmarks/RESULTS.md)
+            sink = pa.PythonFile(DirectFile(self.path, direct=self.direct_io), mode="w")
+            with sink, pa.ipc.new_file(sink, self.schema) as w:
                 while (item := self.queue.get()) is not None:
                     rows = [f.result() for f in item]
                     w.write_batch(record_batch(rows))
                     faults.point("extract.written")
-                    if sink.tell() - flushed >= WRITEBACK_BYTES:
-                        flushed = start_writeback(self.path, flushed, sink.tell())
                     self.encoded_bytes += sum(
                         len(r["hidden"]) + len(r["scales"] or b"") for r in rows
                     )
@@ -179,6 +161,7 @@ class Extractor:
     def __init__(self, cfg: Config, base: nn.Module, layer_ids: list[int], device: torch.device):
         ex = cfg.section("extract")
         self.codec, self.level, self.budget = ex["codec"], ex["zstd_level"], ex["token_budget"]
+        self.direct_io = ex["direct_io"]
         self.base, self.device, self.layer_ids = base, device, layer_ids
         self.taps = LayerTaps(base, layer_ids)
         self.width = len(layer_ids) * base.config.hidden_size
@@ -247,7 +230,7 @@ class Extractor:
         try:
             with atomic_path(out) as tmp:
                 schema = record_batch([]).schema.with_metadata(info.metadata())
-                writer = ShardWriter(tmp, schema, depth=4)
+                writer = ShardWriter(tmp, schema, depth=4, direct_io=self.direct_io)
                 writer.start()
                 try:
                     for batch in batches:
