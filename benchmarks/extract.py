@@ -130,7 +130,9 @@ def main() -> None:
     ap.add_argument("--sequences", type=int, default=96)
     ap.add_argument("--length", type=int, default=2048)
     ap.add_argument(
-        "--runs", nargs="+", default=["bf16-zstd:1", "bf16-zstd:1:cached", "fp8-zstd:1"],
+        "--runs",
+        nargs="+",
+        default=["bf16-zstd:1", "bf16-zstd:1:cached", "fp8-zstd:1"],
         help="codec:zstd_level[:cached]; cached = through the page cache (extract.direct_io off)",
     )
     ap.add_argument("--out", default="extract.json")

@@ -138,7 +138,9 @@ def profile_step(model: Drafter, batch: dict, out: Path, rows: int = 30) -> None
             opt.step()
             opt.zero_grad(set_to_none=True)
         sync()
-    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=70)
+    table = prof.key_averages().table(
+        sort_by="cuda_time_total", row_limit=rows, max_name_column_width=70
+    )
     out.write_text(table)
     print(table, flush=True)
 

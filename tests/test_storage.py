@@ -57,7 +57,9 @@ def test_direct_file_writes_exactly_the_bytes(tmp_path, direct):
     """Writes of every size, across chunk boundaries and a padded tail, give the exact bytes
     and size, with O_DIRECT and through the page cache alike."""
     rng = np.random.default_rng(0)
-    parts = [rng.integers(0, 256, n, dtype=np.uint8).tobytes() for n in (1, 4095, 9000, 0, 20000, 7)]
+    parts = [
+        rng.integers(0, 256, n, dtype=np.uint8).tobytes() for n in (1, 4095, 9000, 0, 20000, 7)
+    ]
     path = tmp_path / "f.bin"
     with DirectFile(path, chunk_bytes=8192, direct=direct) as f:
         for p in parts:
@@ -73,8 +75,9 @@ def test_direct_file_as_arrow_sink_matches_a_plain_file(tmp_path):
     schema = pa.schema([("id", pa.string()), ("hidden", pa.large_binary())])
     rng = np.random.default_rng(1)
     batches = [
-        pa.record_batch([pa.array([f"s{i}"]), pa.array([rng.bytes(int(n))], pa.large_binary())],
-                        schema=schema)  # fmt: skip
+        pa.record_batch(
+            [pa.array([f"s{i}"]), pa.array([rng.bytes(int(n))], pa.large_binary())], schema=schema
+        )  # fmt: skip
         for i, n in enumerate(rng.integers(1, 300_000, 12))
     ]
     with pa.OSFile(str(tmp_path / "plain.arrow"), "wb") as sink, pa.ipc.new_file(sink, schema) as w:
