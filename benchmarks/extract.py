@@ -16,6 +16,7 @@ mixed lengths: at 135M parameters the host side, not the GPU, sets the pace.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import statistics
 import tempfile
@@ -30,7 +31,7 @@ from transformers import LlamaConfig, LlamaModel, Qwen3Config, Qwen3Model
 from dflashpipe.codecs import prepare
 from dflashpipe.config import Config
 from dflashpipe.extract import Extractor, LayerTaps, forward_taps, truncate_base
-from dflashpipe.shards import ShardInfo
+from dflashpipe.shards import FeatureShard, ShardInfo
 
 QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
                 num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
@@ -113,6 +114,7 @@ def extract_tok_s(model, rows: list[dict], codec: str, level: int, out_dir: Path
     elapsed = time.perf_counter() - t
     ex.close()
     timing = {f"{k}_s": v for k, v in ex.timing.items()}
+    check = read_back(out, rows)
     tokens = sum(len(r["input_ids"]) for r in rows)
     raw_bytes = tokens * len(layers) * hidden * 2
     return {
@@ -122,7 +124,23 @@ def extract_tok_s(model, rows: list[dict], codec: str, level: int, out_dir: Path
         "seconds": elapsed,
         "loop_tok_s": tokens / ex.timing["loop"],  # GPU loop alone, before the writer drains
         **timing,
+        **check,
     }
+
+
+def read_back(path: Path, rows: list[dict]) -> dict:
+    """The written shard opened as training opens it: every row there, and a digest of the
+    first and last samples' decoded states (runs of one codec must agree)."""
+    shard = FeatureShard(path)
+    if len(shard) != len(rows):
+        raise SystemExit(f"{path}: {len(shard)} rows, expected {len(rows)}")
+    digest = hashlib.sha256()
+    for i in (0, len(shard) - 1):
+        hidden = shard.sample(i)["hidden"]
+        if not torch.isfinite(hidden.float()).all():
+            raise SystemExit(f"{path}: row {i} decodes to non-finite values")
+        digest.update(hidden.view(torch.int16).numpy().tobytes())
+    return {"rows": len(shard), "decoded_digest": digest.hexdigest()[:16]}
 
 
 def main() -> None:
@@ -132,8 +150,8 @@ def main() -> None:
     ap.add_argument(
         "--runs",
         nargs="+",
-        default=["bf16-zstd:1", "bf16-zstd:1:cached", "fp8-zstd:1"],
-        help="codec:zstd_level[:cached]; cached = through the page cache (extract.direct_io off)",
+        default=["bf16-zstd:1", "bf16-zstd:1:direct", "fp8-zstd:1"],
+        help="codec:zstd_level[:direct]; direct = O_DIRECT writes (extract.direct_io on)",
     )
     ap.add_argument("--out", default="extract.json")
     ap.add_argument("--dir", default="/tmp", help="where shards are written (local disk)")
@@ -166,9 +184,9 @@ def main() -> None:
                "runs": {}}  # fmt: skip
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         for spec in args.runs:
-            codec, level, *io = spec.split(":")  # codec:level[:cached] (cached: direct_io off)
+            codec, level, *io = spec.split(":")  # codec:level[:direct] (direct: direct_io on)
             r = extract_tok_s(model, rows, codec, int(level), Path(tmp), layers, args.budget,
-                              direct_io=io != ["cached"])  # fmt: skip
+                              direct_io=io == ["direct"])  # fmt: skip
             r["ratio_vs_bare_forward"] = r["tok_s"] / base_tok_s
             results["runs"][spec] = r
             print(json.dumps({spec: r}), flush=True)
@@ -179,12 +197,13 @@ def main() -> None:
     print(f"\nbare forward ({n} layers, batches of {args.budget} tokens): {base_tok_s:,.0f} tok/s")
     print(f"GPU work of the path ({max(layers) + 1} layers, taps, planes): {gpu_path:,.0f} tok/s "
           f"({gpu_path / base_tok_s:.2f}x)")  # fmt: skip
-    print(f"{'codec:level':<14}{'tok/s':>10}{'x bare':>8}{'size vs raw bf16':>18}"
-          f"{'loop tok/s':>12}{'blocked gpu/host s':>20}")  # fmt: skip
+    print(f"{'codec:level':<20}{'tok/s':>10}{'x bare':>8}{'size vs raw bf16':>18}"
+          f"{'loop tok/s':>12}{'blocked gpu/host s':>20}{'decoded digest':>18}")  # fmt: skip
     for spec, r in results["runs"].items():
         waits = f"{r.get('blocked_on_gpu_s', 0):.1f}/{r.get('blocked_on_host_s', 0):.1f}"
-        print(f"{spec:<14}{r['tok_s']:>10,.0f}{r['ratio_vs_bare_forward']:>8.2f}"
-              f"{r['ratio_vs_raw']:>17.2f}x{r['loop_tok_s']:>12,.0f}{waits:>20}")  # fmt: skip
+        print(f"{spec:<20}{r['tok_s']:>10,.0f}{r['ratio_vs_bare_forward']:>8.2f}"
+              f"{r['ratio_vs_raw']:>17.2f}x{r['loop_tok_s']:>12,.0f}{waits:>20}"
+              f"{r['decoded_digest']:>18}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -116,6 +116,8 @@ def step_time(model: Drafter, batch: dict, steps: int, accum: int = 1) -> tuple[
         sync()
         if i >= 3:  # the first steps compile
             times.append((time.perf_counter() - t) / accum)
+        else:
+            say(f"warm-up step {i + 1} (accum {accum}): {time.perf_counter() - t:.1f} s")
         if flops is None:
             pos = torch.where(batch["keep"], batch["position_ids"][batch["anchors"]], -1)
             flops = float(step_flops(model.config, batch["input_ids"].shape[0], len(TAPS), pos))
@@ -168,24 +170,28 @@ def main() -> None:
         ds = PackedBatches(
             [shard], samples, plan, shape["tokens"], shape["anchors"], seed=0, epoch=0
         )
+        batch = {k: v.to(device) for k, v in ds[0].items()}
+        # the step first: its compilation should not share the CPU with loader workers
+        model = drafter(shape, device)
+        say("drafter built")
+        seconds, flops = step_time(model, batch, args.steps, args.accum[0])
+        say(f"step {seconds * 1e3:.1f} ms per micro-batch, {args.accum[0]} per optimizer step "
+            f"(MFU {flops / seconds / 989e12:.1%})")  # fmt: skip
+        for accum in args.accum[1:]:
+            s_acc, _ = step_time(model, batch, args.steps, accum)
+            res[f"mfu_accum_{accum}"] = flops / s_acc / 989e12 if device.type == "cuda" else None
+            res[f"step_s_accum_{accum}"] = s_acc
+            say(f"step {s_acc * 1e3:.1f} ms per micro-batch, {accum} per optimizer step "
+                f"(MFU {res[f'mfu_accum_{accum}'] or 0:.1%})")  # fmt: skip
+        if args.profile and device.type == "cuda":
+            profile_step(model, batch, Path(args.profile))
         for w in args.workers:
             res[f"loader_batches_per_s_{w}_workers"] = loader_rate(ds, w, device.type == "cuda")
             say(f"loader, {w} workers: {res[f'loader_batches_per_s_{w}_workers']:.2f} batches/s")
-        batch = {k: v.to(device) for k, v in ds[0].items()}
-    model = drafter(shape, device)
-    seconds, flops = step_time(model, batch, args.steps, args.accum[0])
-    say(f"step {seconds * 1e3:.1f} ms per micro-batch, {args.accum[0]} per optimizer step")
-    for accum in args.accum[1:]:
-        s_acc, _ = step_time(model, batch, args.steps, accum)
-        say(f"step {s_acc * 1e3:.1f} ms per micro-batch, {accum} per optimizer step")
-        res[f"mfu_accum_{accum}"] = flops / s_acc / 989e12 if device.type == "cuda" else None
-        res[f"step_s_accum_{accum}"] = s_acc
     res.update(step_s=seconds, seq_tokens_per_s=shape["tokens"] / seconds,
                query_tokens_per_s=int(batch["keep"].sum()) * 16 / seconds, tflops=flops / seconds / 1e12,
                mfu=flops / seconds / 989e12 if device.type == "cuda" else None,
                peak_mem_gib=torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None)  # fmt: skip
-    if args.profile and device.type == "cuda":
-        profile_step(model, batch, Path(args.profile))
     for w in args.workers:
         res[f"loader_vs_training_{w}_workers"] = res[f"loader_batches_per_s_{w}_workers"] * seconds
     Path(args.out).write_text(json.dumps(res, indent=2))

@@ -6,7 +6,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from dflashpipe.storage import DirectFile, atomic_path, sha256_file, write_json
+from dflashpipe.storage import ChunkedFile, atomic_path, sha256_file, write_json
 
 
 def test_atomic_path_replaces_only_on_success(tmp_path):
@@ -53,7 +53,7 @@ def test_cached_sha256_remembers_unchanged_files_only(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("direct", [True, False])
-def test_direct_file_writes_exactly_the_bytes(tmp_path, direct):
+def test_chunked_file_writes_exactly_the_bytes(tmp_path, direct):
     """Writes of every size, across chunk boundaries and a padded tail, give the exact bytes
     and size, with O_DIRECT and through the page cache alike."""
     rng = np.random.default_rng(0)
@@ -61,17 +61,18 @@ def test_direct_file_writes_exactly_the_bytes(tmp_path, direct):
         rng.integers(0, 256, n, dtype=np.uint8).tobytes() for n in (1, 4095, 9000, 0, 20000, 7)
     ]
     path = tmp_path / "f.bin"
-    with DirectFile(path, chunk_bytes=8192, direct=direct) as f:
+    with ChunkedFile(path, chunk_bytes=8192, direct=direct) as f:
         for p in parts:
             assert f.write(p) == len(p)
         assert f.tell() == sum(map(len, parts))
     assert path.read_bytes() == b"".join(parts)
-    with DirectFile(tmp_path / "empty.bin", chunk_bytes=8192, direct=direct):
+    with ChunkedFile(tmp_path / "empty.bin", chunk_bytes=8192, direct=direct):
         pass
     assert (tmp_path / "empty.bin").read_bytes() == b""
 
 
-def test_direct_file_as_arrow_sink_matches_a_plain_file(tmp_path):
+@pytest.mark.parametrize("direct", [True, False])
+def test_chunked_file_as_arrow_sink_matches_a_plain_file(tmp_path, direct):
     schema = pa.schema([("id", pa.string()), ("hidden", pa.large_binary())])
     rng = np.random.default_rng(1)
     batches = [
@@ -83,19 +84,20 @@ def test_direct_file_as_arrow_sink_matches_a_plain_file(tmp_path):
     with pa.OSFile(str(tmp_path / "plain.arrow"), "wb") as sink, pa.ipc.new_file(sink, schema) as w:
         for b in batches:
             w.write_batch(b)
-    sink = pa.PythonFile(DirectFile(tmp_path / "direct.arrow", chunk_bytes=1 << 16), mode="w")
+    chunked = ChunkedFile(tmp_path / "chunked.arrow", chunk_bytes=1 << 16, direct=direct)
+    sink = pa.PythonFile(chunked, mode="w")
     with sink, pa.ipc.new_file(sink, schema) as w:
         for b in batches:
             w.write_batch(b)
-    direct = (tmp_path / "direct.arrow").read_bytes()
-    assert direct == (tmp_path / "plain.arrow").read_bytes()
-    assert pa.ipc.open_file(pa.py_buffer(direct)).read_all().equals(pa.Table.from_batches(batches))
+    written = (tmp_path / "chunked.arrow").read_bytes()
+    assert written == (tmp_path / "plain.arrow").read_bytes()
+    assert pa.ipc.open_file(pa.py_buffer(written)).read_all().equals(pa.Table.from_batches(batches))
 
 
-def test_direct_file_raises_the_writers_error(tmp_path):
+def test_chunked_file_raises_the_writers_error(tmp_path):
     """A failed write in the background thread (here: the file's descriptor closed under it)
     is raised to the caller, not lost."""
-    f = DirectFile(tmp_path / "f.bin", chunk_bytes=4096)
+    f = ChunkedFile(tmp_path / "f.bin", chunk_bytes=4096)
     os.close(f.fd)
     f.fd = os.open(tmp_path / "f.bin", os.O_RDONLY)  # writes now fail with EBADF
     with pytest.raises(OSError, match="Bad file descriptor"):

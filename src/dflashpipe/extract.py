@@ -34,7 +34,7 @@ from dflashpipe.codecs import pack, prepare
 from dflashpipe.config import Config
 from dflashpipe.errors import DataError
 from dflashpipe.shards import ShardInfo, feature_row, record_batch
-from dflashpipe.storage import DirectFile, atomic_path
+from dflashpipe.storage import ChunkedFile, atomic_path
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +127,7 @@ def read_sequences(
 class ShardWriter(threading.Thread):
     """Writes encoded batches, in the order they were submitted, to an Arrow IPC file."""
 
-    def __init__(self, path: Path, schema: pa.Schema, depth: int, direct_io: bool = True):
+    def __init__(self, path: Path, schema: pa.Schema, depth: int, direct_io: bool = False):
         super().__init__(daemon=True)
         self.direct_io = direct_io
         self.queue: queue.Queue = queue.Queue(maxsize=depth)  # back-pressure on the GPU loop
@@ -137,9 +137,9 @@ class ShardWriter(threading.Thread):
 
     def run(self) -> None:
         try:
-            # past the page cache: a shard of tens of GB left dirty there made the disk lag
-            # behind the GPU and the final fsync wait for all of it (benchmarks/RESULTS.md)
-            sink = pa.PythonFile(DirectFile(self.path, direct=self.direct_io), mode="w")
+            # chunks written back as soon as they are full: a shard of tens of GB left dirty in
+            # the page cache made the disk lag behind the GPU (benchmarks/RESULTS.md)
+            sink = pa.PythonFile(ChunkedFile(self.path, direct=self.direct_io), mode="w")
             with sink, pa.ipc.new_file(sink, self.schema) as w:
                 while (item := self.queue.get()) is not None:
                     rows = [f.result() for f in item]

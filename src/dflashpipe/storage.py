@@ -140,26 +140,31 @@ def cached_sha256(path: str | Path) -> str:
     return digest
 
 
-class DirectFile:
-    """A write-only, sequential file sink that bypasses the page cache (O_DIRECT).
+class ChunkedFile:
+    """A write-only, sequential file sink that keeps the disk busy while the caller works.
 
-    Feature shards run to tens of GB per job. Written through the page cache they sit dirty in
-    memory until the kernel's writeback or the final fsync gets to them, and writeback under
-    load kept the disk below the rate `dd oflag=direct` reaches. Here every byte is copied into
-    page-aligned staging chunks (numpy: the GIL is released) and a background thread writes
-    each full chunk with one pwrite, so the disk works while the caller fills the next chunk.
-    `close` writes the tail padded to the alignment and truncates the file to its real size.
+    Feature shards run to tens of GB per job. Left to the page cache, a shard sits dirty in
+    memory until the kernel's writeback or the final fsync gets to it, and the disk falls
+    behind the GPU. Here every byte is copied into page-aligned chunks (numpy: the GIL is
+    released) and a background thread writes each full chunk with one pwrite and at once asks
+    the kernel to write it back (posix_fadvise DONTNEED), so the disk works while the caller
+    fills the next chunk and the final fsync finds little left.
 
-    Where the file system refuses O_DIRECT, the same chunks are written through the page cache
-    and each is handed to the kernel's writeback at once (posix_fadvise DONTNEED). Errors of the
-    writing thread (a full disk: ENOSPC, EFBIG) are raised by the next write or by close.
-    Usable as the sink of `pyarrow.PythonFile`.
+    direct=True opens the file with O_DIRECT instead (past the page cache; the aligned chunks
+    are what it needs; `close` writes the tail padded to the alignment and truncates the file
+    to its real size); where the file system refuses O_DIRECT, it falls back to the above.
+    Errors of the writing thread (a full disk: ENOSPC, EFBIG) are raised by the next write or
+    by close. Usable as the sink of `pyarrow.PythonFile`.
     """
 
     ALIGN = 4096  # covers the logical block size of common disks (512 or 4096)
 
     def __init__(
-        self, path: str | Path, chunk_bytes: int = 32 << 20, in_flight: int = 2, direct: bool = True
+        self,
+        path: str | Path,
+        chunk_bytes: int = 32 << 20,
+        in_flight: int = 2,
+        direct: bool = False,
     ):
         if chunk_bytes % self.ALIGN:
             raise ValueError(f"chunk_bytes {chunk_bytes} is not a multiple of {self.ALIGN}")
@@ -260,7 +265,7 @@ class DirectFile:
                 self._thread.join()
             os.close(self.fd)
 
-    def __enter__(self) -> DirectFile:
+    def __enter__(self) -> ChunkedFile:
         return self
 
     def __exit__(self, *exc) -> None:
