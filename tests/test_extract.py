@@ -219,3 +219,27 @@ def test_sequences_of_another_tokenizer_are_refused(tiny_target_dir, sequences, 
             str(tmp_path / "o.arrow"),
         )
     assert not (tmp_path / "o.arrow").exists()
+
+
+def test_writer_error_at_close_does_not_hang(tmp_path, monkeypatch):
+    """Chunks are written in the background, so a full disk can surface only when the shard is
+    closed, after the producer's end mark: the writer must then stop, not wait for more."""
+    import errno
+
+    from dflashpipe import extract
+    from dflashpipe.shards import record_batch
+    from dflashpipe.storage import ChunkedFile
+
+    class FullAtClose(ChunkedFile):
+        def close(self) -> None:
+            super().close()
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(extract, "ChunkedFile", FullAtClose)
+    writer = extract.ShardWriter(tmp_path / "s.arrow", record_batch([]).schema, depth=2)
+    writer.start()
+    writer.queue.put([])  # one (empty) batch, then the end mark
+    writer.queue.put(None)
+    writer.join(timeout=20)
+    assert not writer.is_alive(), "the writer hung after an error at close"
+    assert isinstance(writer.error, OSError) and writer.error.errno == errno.ENOSPC

@@ -136,12 +136,13 @@ class ShardWriter(threading.Thread):
         self.raw_bytes = self.encoded_bytes = 0
 
     def run(self) -> None:
+        ended = False  # the producer's end mark was taken off the queue
         try:
             # chunks written back as soon as they are full: a shard of tens of GB left dirty in
             # the page cache made the disk lag behind the GPU (benchmarks/RESULTS.md)
             sink = pa.PythonFile(ChunkedFile(self.path, direct=self.direct_io), mode="w")
             with sink, pa.ipc.new_file(sink, self.schema) as w:
-                while (item := self.queue.get()) is not None:
+                while not (ended := (item := self.queue.get()) is None):
                     rows = [f.result() for f in item]
                     w.write_batch(record_batch(rows))
                     faults.point("extract.written")
@@ -151,7 +152,10 @@ class ShardWriter(threading.Thread):
                     self.raw_bytes += sum(r["raw_bytes"] for r in rows)
         except BaseException as e:  # surfaced by the main thread
             self.error = e
-            while self.queue.get() is not None:  # keep draining so the producer never blocks
+            # keep draining so the producer never blocks; a write error can also surface only
+            # when the file is closed, after the end mark (the chunks are written in the
+            # background), and then there is nothing left to drain
+            while not ended and self.queue.get() is not None:
                 pass
 
 
