@@ -5,7 +5,7 @@ Qwen3-8B drafter: 5 layers, hidden 4096, GQA 32/8, head_dim 128, MLP 12288, bloc
 target features. The step is the train stage's (`train.forward_loss`): `Drafter` forward
 (float32 master weights, bf16 autocast, compiled layers, flex attention), `block_labels`, chunked
 `dflash_loss` against the bf16 head, backward, clip, fused AdamW. FLOPs by
-`train.step_flops` (formula in its docstring); peak 989 TFLOP/s (H200 dense bf16).
+`metrics.step_flops` (formula in its docstring); peak 989 TFLOP/s (H200 dense bf16).
 Loader: `PackedBatches` decoding a bf16-zstd shard of the same shapes, per worker count.
 
     python benchmarks/train.py --steps 20 --out $OUT/train.json
@@ -26,9 +26,10 @@ import torch
 
 from dflashpipe.codecs import encode
 from dflashpipe.data import PackedBatches, Sample, make_loader
+from dflashpipe.metrics import step_flops
 from dflashpipe.model import Drafter, DrafterConfig
 from dflashpipe.shards import ShardInfo, feature_row, record_batch
-from dflashpipe.train import compute_head, forward_loss, step_flops
+from dflashpipe.train import compute_head, forward_loss
 
 FULL = dict(hidden_size=4096, intermediate_size=12288, num_attention_heads=32, num_key_value_heads=8,
             head_dim=128, vocab_size=151936, tokens=3072, anchors=512, layers=5)  # fmt: skip

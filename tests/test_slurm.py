@@ -79,7 +79,7 @@ def test_torchrun_rendezvous_across_two_srun_tasks(cluster, tmp_path):
         "dist.barrier()\n"  # as train does: leave together, before a store host can go
         "dist.destroy_process_group()\n"
     )
-    from dflashpipe.train import torchrun_command
+    from dflashpipe.launcher import torchrun_command
 
     cmd = torchrun_command(nodes=2, procs_per_node=1, endpoint="localhost:29533", run_id="t",
                            module=None, args=[str(script)])  # fmt: skip

@@ -14,7 +14,8 @@ from dflashpipe.config import Config
 from dflashpipe.data import Sample, split_validation
 from dflashpipe.errors import DataError
 from dflashpipe.export import load_drafter
-from dflashpipe.train import Trainer, launch
+from dflashpipe.launcher import launch
+from dflashpipe.train import Trainer
 
 
 def _train(tmp_path, tiny_features, name, **train):

@@ -74,7 +74,7 @@ def cmd_manifest(args: argparse.Namespace) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> None:
-    from dflashpipe.train import launch
+    from dflashpipe.launcher import launch
 
     launch(args.config, args.manifest, args.run_dir, args.drafter, args.metrics)
 

@@ -1,0 +1,90 @@
+"""How the train stage starts: torchrun with one process per `devices.train` GPU (or gloo CPU
+processes), one agent per node under a multi-node SLURM job. `dflashpipe.train.main` is what
+each process runs."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+from contextlib import ExitStack
+
+from dflashpipe.config import load_config
+from dflashpipe.errors import DflashpipeError
+
+log = logging.getLogger("dflashpipe.train")
+
+
+def torchrun_command(nodes: int, procs_per_node: int, endpoint: str | None, run_id: str,
+                     module: str | None, args: list[str]) -> list[str]:  # fmt: skip
+    """torchrun for one node (--standalone) or one agent of a multi-node job (c10d rendezvous
+    at `endpoint`, host:port of the first node)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={procs_per_node}"]
+    if nodes == 1:
+        cmd.append("--standalone")
+    else:
+        cmd += [
+            f"--nnodes={nodes}",
+            "--rdzv_backend=c10d",
+            f"--rdzv_endpoint={endpoint}",
+            f"--rdzv_id={run_id}",
+        ]
+    return cmd + (["-m", module] if module else []) + args
+
+
+def _slurm_nodes() -> list[str]:
+    if int(os.environ.get("SLURM_JOB_NUM_NODES", "1")) <= 1:
+        return []
+    out = subprocess.run(["scontrol", "show", "hostnames", os.environ["SLURM_JOB_NODELIST"]],
+                         capture_output=True, text=True, check=True).stdout  # fmt: skip
+    return out.split()
+
+
+def launch(config_path: str, manifest: str, run_dir: str, drafter: str, metrics: str) -> None:
+    """Run torchrun with one process per `devices.train` GPU (held by leases for the whole run),
+    or `train.cpu_processes` gloo processes when there is no GPU. In a multi-node SLURM job
+    (train.nodes > 1), srun starts one torchrun agent per node, meeting at the first node."""
+    from dflashpipe.devices import resolve_devices, scheduler_assigned, visible_gpus
+    from dflashpipe.leases import lease_device
+
+    cfg = load_config(config_path)
+    env = dict(os.environ)
+    args = ["--config", config_path, "--manifest", manifest, "--run-dir", run_dir,
+            "--drafter", drafter, "--metrics", metrics]  # fmt: skip
+    with ExitStack() as leases:
+        if scheduler_assigned():
+            nproc = len(env["CUDA_VISIBLE_DEVICES"].split(","))
+        else:
+            devices = resolve_devices(cfg.devices.train, visible_gpus(), "devices.train")
+            for d in devices:
+                leases.enter_context(lease_device([d], d))
+            nproc = len(devices) or cfg.section("train")["cpu_processes"]
+            if devices:
+                env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, devices))
+            else:
+                env["DFLASHPIPE_DEVICE"] = "cpu"
+        if hosts := _slurm_nodes():
+            run = torchrun_command(
+                len(hosts),
+                nproc,
+                f"{hosts[0]}:29500",
+                env["SLURM_JOB_ID"],
+                "dflashpipe.train",
+                args,
+            )
+            cmd = [
+                "srun",
+                f"--nodes={len(hosts)}",
+                f"--ntasks={len(hosts)}",
+                "--ntasks-per-node=1",
+                *run,
+            ]
+        else:
+            cmd = torchrun_command(1, nproc, None, "local", "dflashpipe.train", args)
+        log.info("launching %s", " ".join(cmd))
+        done = subprocess.run(cmd, env=env)
+    if done.returncode != 0:
+        raise DflashpipeError(
+            f"training failed (torchrun exit {done.returncode}); see the log above"
+        )
