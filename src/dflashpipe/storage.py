@@ -233,7 +233,9 @@ class ChunkedFile:
                     view = memoryview(buf)[:length]
                     done = 0
                     while done < length:
-                        done += os.pwrite(self.fd, view[done:], offset + done)
+                        if not (n := os.pwrite(self.fd, view[done:], offset + done)):
+                            raise OSError(errno.EIO, f"{self.path}: pwrite wrote nothing")
+                        done += n
                     if not self.direct and hasattr(os, "posix_fadvise"):
                         os.posix_fadvise(self.fd, offset, length, os.POSIX_FADV_DONTNEED)
             except OSError as e:
@@ -252,13 +254,15 @@ class ChunkedFile:
         try:
             size, tail = self.tell(), self._fill
             if tail:
-                padded = -(-tail // self.ALIGN) * self.ALIGN
+                # O_DIRECT writes whole aligned blocks; the truncate below cuts the padding
+                padded = -(-tail // self.ALIGN) * self.ALIGN if self.direct else tail
                 self._buf[tail:padded] = bytes(padded - tail)
                 self._todo.put((self._buf, padded, self._offset))
             self._todo.put(None)
             self._thread.join()
             self._raise_error()
-            os.ftruncate(self.fd, size)
+            if self.direct:
+                os.ftruncate(self.fd, size)
         finally:
             if self._thread.is_alive():  # an exception before the stop was queued
                 self._todo.put(None)
