@@ -26,7 +26,7 @@ import torch
 
 from dflashpipe.codecs import encode
 from dflashpipe.data import PackedBatches, Sample, make_loader
-from dflashpipe.metrics import step_flops
+from dflashpipe.metrics import PEAK_TFLOPS_BF16, step_flops
 from dflashpipe.model import Drafter, DrafterConfig
 from dflashpipe.shards import ShardInfo, feature_row, record_batch
 from dflashpipe.train import compute_head, forward_loss
@@ -36,6 +36,7 @@ FULL = dict(hidden_size=4096, intermediate_size=12288, num_attention_heads=32, n
 SMOKE = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
              head_dim=16, vocab_size=1000, tokens=256, anchors=32, layers=2)  # fmt: skip
 TAPS = [1, 9, 17, 25, 33]
+PEAK = PEAK_TFLOPS_BF16["H200"] * 1e12  # dense bf16
 DISTINCT = 4  # distinct random sequences in the benchmark's shard
 
 
@@ -97,32 +98,45 @@ def loader_rate(ds: PackedBatches, workers: int, pin: bool) -> float:
     return n / (time.perf_counter() - t)
 
 
-def step_time(model: Drafter, batch: dict, steps: int, accum: int = 1) -> tuple[float, float]:
-    """Median seconds per micro-batch and FLOPs per micro-batch. A step is `accum` micro-batches'
-    forward + backward, then clipping and the optimizer, as the train stage runs
-    `tokens_per_step` (accum 1: the optimizer after every micro-batch)."""
+def make_step(model: Drafter, batch: dict):
+    """The train stage's optimizer step over `accum` micro-batches (all `batch`): forward +
+    backward of each, then clipping and fused AdamW, as the stage runs `tokens_per_step`."""
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4, fused=batch["input_ids"].is_cuda)
     head = compute_head(model, batch["input_ids"].device)
-    times, flops = [], None
-    for i in range(steps + 3):
-        sync()
-        t = time.perf_counter()
+
+    def step(accum: int = 1) -> None:
         for _ in range(accum):
             loss, _ = forward_loss(model, head, batch, model.config.block_size, 7.0)
             (loss / accum).backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
+
+    return step
+
+
+def step_time(model: Drafter, batch: dict, steps: int, accum: int = 1) -> tuple[float, float]:
+    """Median seconds per micro-batch and FLOPs per micro-batch, with `accum` micro-batches per
+    optimizer step (accum 1: the optimizer after every micro-batch)."""
+    step = make_step(model, batch)
+    times = []
+    for i in range(steps + 3):
+        sync()
+        t = time.perf_counter()
+        step(accum)
         sync()
         if i >= 3:  # the first steps compile
             times.append((time.perf_counter() - t) / accum)
         else:
             say(f"warm-up step {i + 1} (accum {accum}): {time.perf_counter() - t:.1f} s")
-        if flops is None:
-            pos = torch.where(batch["keep"], batch["position_ids"][batch["anchors"]], -1)
-            flops = float(step_flops(model.config, batch["input_ids"].shape[0], len(TAPS), pos))
+    pos = torch.where(batch["keep"], batch["position_ids"][batch["anchors"]], -1)
+    flops = float(step_flops(model.config, batch["input_ids"].shape[0], len(TAPS), pos))
     return statistics.median(times), flops
+
+
+def mfu(flops: float, seconds: float, device: torch.device) -> float | None:
+    return flops / seconds / PEAK if device.type == "cuda" else None
 
 
 def profile_step(model: Drafter, batch: dict, out: Path, rows: int = 30) -> None:
@@ -130,16 +144,10 @@ def profile_step(model: Drafter, batch: dict, out: Path, rows: int = 30) -> None
     table printed and written to `out`, to find where a step's time goes."""
     from torch.profiler import ProfilerActivity, profile
 
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=1e-4, fused=True)
-    head = compute_head(model, batch["input_ids"].device)
+    step = make_step(model, batch)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(2):
-            loss, _ = forward_loss(model, head, batch, model.config.block_size, 7.0)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            step()
         sync()
     table = prof.key_averages().table(
         sort_by="cuda_time_total", row_limit=rows, max_name_column_width=70
@@ -177,10 +185,10 @@ def main() -> None:
         say("drafter built")
         seconds, flops = step_time(model, batch, args.steps, args.accum[0])
         say(f"step {seconds * 1e3:.1f} ms per micro-batch, {args.accum[0]} per optimizer step "
-            f"(MFU {flops / seconds / 989e12:.1%})")  # fmt: skip
+            f"(MFU {mfu(flops, seconds, device) or 0:.1%})")  # fmt: skip
         for accum in args.accum[1:]:
             s_acc, _ = step_time(model, batch, args.steps, accum)
-            res[f"mfu_accum_{accum}"] = flops / s_acc / 989e12 if device.type == "cuda" else None
+            res[f"mfu_accum_{accum}"] = mfu(flops, s_acc, device)
             res[f"step_s_accum_{accum}"] = s_acc
             say(f"step {s_acc * 1e3:.1f} ms per micro-batch, {accum} per optimizer step "
                 f"(MFU {res[f'mfu_accum_{accum}'] or 0:.1%})")  # fmt: skip
@@ -191,7 +199,7 @@ def main() -> None:
             say(f"loader, {w} workers: {res[f'loader_batches_per_s_{w}_workers']:.2f} batches/s")
     res.update(step_s=seconds, seq_tokens_per_s=shape["tokens"] / seconds,
                query_tokens_per_s=int(batch["keep"].sum()) * 16 / seconds, tflops=flops / seconds / 1e12,
-               mfu=flops / seconds / 989e12 if device.type == "cuda" else None,
+               mfu=mfu(flops, seconds, device),
                peak_mem_gib=torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None)  # fmt: skip
     for w in args.workers:
         res[f"loader_vs_training_{w}_workers"] = res[f"loader_batches_per_s_{w}_workers"] * seconds

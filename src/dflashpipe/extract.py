@@ -142,7 +142,7 @@ class ShardWriter(threading.Thread):
             # the page cache made the disk lag behind the GPU (benchmarks/RESULTS.md)
             sink = pa.PythonFile(ChunkedFile(self.path, direct=self.direct_io), mode="w")
             with sink, pa.ipc.new_file(sink, self.schema) as w:
-                while not (ended := (item := self.queue.get()) is None):
+                while (item := self.queue.get()) is not None:
                     rows = [f.result() for f in item]
                     w.write_batch(record_batch(rows))
                     faults.point("extract.written")
@@ -150,6 +150,7 @@ class ShardWriter(threading.Thread):
                         len(r["hidden"]) + len(r["scales"] or b"") for r in rows
                     )
                     self.raw_bytes += sum(r["raw_bytes"] for r in rows)
+                ended = True
         except BaseException as e:  # surfaced by the main thread
             self.error = e
             # keep draining so the producer never blocks; a write error can also surface only

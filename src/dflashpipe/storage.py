@@ -212,14 +212,14 @@ class ChunkedFile:
             self._fill += n
             done += n
             if self._fill == self.chunk:
-                self._submit(self.chunk)
+                self._submit()
         return done
 
     def flush(self) -> None:
         self._raise_error()
 
-    def _submit(self, length: int) -> None:
-        self._todo.put((self._buf, length, self._offset))
+    def _submit(self) -> None:
+        self._todo.put((self._buf, self._fill, self._offset))
         self._offset += self._fill
         self._fill = 0
         self._buf = self._free.get()  # waits while every chunk is in flight: back-pressure
