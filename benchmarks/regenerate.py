@@ -5,6 +5,8 @@ GGUF's metadata) with random bf16 weights: speed does not depend on weight value
 never emit EOS, so every row generates exactly `--new-tokens` tokens.
 
     python benchmarks/regenerate.py --batch-sizes 1 32 128 256 --new-tokens 256 --out $OUT/regen.json
+    python benchmarks/regenerate.py --batch-sizes 256 512 --caches static --width 512 \
+        --lengths-file lengths.json     # a real prompt table's token counts, every batch at 512
 
 Prints one table: generated tokens/s per batch size and per method, and the ratio to plain
 `generate()` at batch 1 measured in the same run.
@@ -33,9 +35,15 @@ def build_model(device: torch.device) -> LlamaForCausalLM:
     return model.eval().requires_grad_(False)
 
 
-def prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
+def prompts(n: int, vocab: int, seed: int = 0, lengths_file: str | None = None) -> list[list[int]]:
+    """n random prompts of 40-200 tokens, or of lengths drawn from a JSON list (e.g. a real
+    prompt table's token counts)."""
     g = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(40, 200, (n,), generator=g).tolist()
+    if lengths_file:
+        pool = torch.tensor(json.loads(Path(lengths_file).read_text()))
+        lengths = pool[torch.randint(len(pool), (n,), generator=g)].tolist()
+    else:
+        lengths = torch.randint(40, 200, (n,), generator=g).tolist()
     return [torch.randint(100, vocab, (k,), generator=g).tolist() for k in lengths]
 
 
@@ -61,17 +69,18 @@ def bench_plain(model, ps, new_tokens: int) -> float:
     return len(ps) * new_tokens / timed(go)
 
 
-def bench_stage(model, ps, batch: int, new_tokens: int, cache: str) -> float:
-    """The stage's path: left-padded, length-sorted batches through generate_batch."""
+def bench_stage(model, ps, batch: int, new_tokens: int, cache: str, width: int = 0) -> float:
+    """The stage's path: left-padded, length-sorted batches through generate_batch (width: every
+    batch padded to at least this, as the stage pads a static-cache shard to its widest prompt)."""
     cfg = GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
                            pad_token_id=0, eos_token_id=[1], cache_implementation=cache)  # fmt: skip
     ps = sorted(ps, key=len, reverse=True)
 
     def go():
         for i in range(0, len(ps), batch):
-            generate_batch(model, ps[i : i + batch], cfg, {1})
+            generate_batch(model, ps[i : i + batch], cfg, {1}, batch, width)
 
-    generate_batch(model, ps[:batch], cfg, {1})  # warm-up (allocator, kernels, compile)
+    generate_batch(model, ps[:batch], cfg, {1}, batch, width)  # warm-up (allocator, compile)
     return len(ps) * new_tokens / timed(go)
 
 
@@ -82,16 +91,18 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=512)
     ap.add_argument("--caches", nargs="+", default=["dynamic", "static"])
     ap.add_argument("--out", default="regen.json")
+    ap.add_argument("--lengths-file", default=None, help="JSON list of prompt lengths to draw from")
+    ap.add_argument("--width", type=int, default=0, help="pad every batch to at least this width")
     args = ap.parse_args()
     device = torch.device("cuda")
     model = build_model(device)
-    ps = prompts(args.prompts, model.config.vocab_size)
+    ps = prompts(args.prompts, model.config.vocab_size, lengths_file=args.lengths_file)
     base = bench_plain(model, ps[:8], args.new_tokens)
     rows = [{"method": "generate() batch 1", "batch": 1, "tok_s": base, "ratio": 1.0}]
     for cache in args.caches:
         for b in args.batch_sizes:
             n = max(b, min(len(ps), 2 * b))
-            tok_s = bench_stage(model, ps[:n], b, args.new_tokens, cache)
+            tok_s = bench_stage(model, ps[:n], b, args.new_tokens, cache, args.width)
             rows.append(
                 {
                     "method": f"stage ({cache} cache)",

@@ -95,6 +95,35 @@ def test_bf16_run_reports_agreement_and_checks_losslessness_in_float32(
     assert metrics["lossless_fraction"] == 1.0
 
 
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
+def test_worker_processes_give_the_same_responses(
+    tiny_target_dir, target_config, eval_table, tmp_path, device
+):
+    """Three prompts over two processes (slices 0::2 and 1::2) decode exactly as in one."""
+    drafter_dir = _export(target_config, tmp_path / "drafter")
+    target = TargetConfig(model=str(tiny_target_dir))
+    one, two = (
+        run(target, drafter_dir, eval_table, tmp_path / f"{w}.json",
+            EvaluateConfig(num_prompts=10, max_new_tokens=10, workers=w), device)
+        for w in (1, 2)
+    )  # fmt: skip
+    assert [r["prompt_id"] for r in two["responses"]] == [r["prompt_id"] for r in one["responses"]]
+    assert two["responses"] == one["responses"] and len(one["responses"]) == 3
+    for key in (
+        "acceptance_length",
+        "per_source",
+        "histogram",
+        "verify_steps",
+        "lossless_fraction",
+    ):
+        assert two[key] == one[key], key
+    lookup = [m["baseline"]["prompt_lookup"] for m in (one, two)]
+    assert lookup[0]["per_source"] == lookup[1]["per_source"]
+
+
 @pytest.mark.parametrize(
     "overrides, field, values",
     [

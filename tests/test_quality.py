@@ -17,40 +17,40 @@ TINY = {
     "drafter": {"num_layers": 1},
     "train": {"max_steps": 2, "micro_batch_tokens": 512, "num_anchors": 32, "tokens_per_step": None,
               "log_every": 1, "num_workers": 1, "val_samples": 2},
-    "evaluate": {"num_prompts": 2, "max_new_tokens": 8},
+    "evaluate": {"num_prompts": 2, "max_new_tokens": 8, "workers": 1},
 }  # fmt: skip
 
 
 @pytest.mark.slow
-def test_quality_driver_main_and_fp8_variant(tmp_path, smollm2_dir):
+def test_quality_driver_main_and_bf16_variant(tmp_path, smollm2_dir):
     tiny = write_yaml(tmp_path / "tiny.yaml", TINY)
     runs = tmp_path / "runs"
-    cmd = [sys.executable, str(REPO / "benchmarks" / "quality.py"), "main", "fp8",
+    cmd = [sys.executable, str(REPO / "benchmarks" / "quality.py"), "main", "bf16",
            "--runs", str(runs), "--configfile", str(tiny), "--cores", "2",
            "--out", str(tmp_path / "rows.json"), "--bundle", str(tmp_path / "logs.tar.gz")]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=1500)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    main, fp8 = runs / "quality-main" / "results", runs / "quality-fp8" / "results"
+    main, bf16 = runs / "quality-main" / "results", runs / "quality-bf16" / "results"
     # the variant shares the main run's answers (hard links) and did not regenerate them
     seq = "sequences/shard-00000.parquet"
-    assert (main / seq).stat().st_ino == (fp8 / seq).stat().st_ino
-    assert not (fp8 / "logs" / "regenerate" / "shard-00000.log").exists()
+    assert (main / seq).stat().st_ino == (bf16 / seq).stat().st_ino
+    assert not (bf16 / "logs" / "regenerate" / "shard-00000.log").exists()
     assert (main / "logs" / "regenerate" / "shard-00000.log").exists()
     codecs = {
-        json.loads((r / "features" / "manifest.json").read_text())["codec"] for r in (main, fp8)
+        json.loads((r / "features" / "manifest.json").read_text())["codec"] for r in (main, bf16)
     }
     assert codecs == {"bf16-zstd", "fp8-zstd"}
     rows = {r["variant"]: r for r in json.loads((tmp_path / "rows.json").read_text())}
-    assert set(rows) == {"main", "fp8"}
+    assert set(rows) == {"main", "bf16"}
     for r in rows.values():
         assert r["lossless"] == 1.0 and set(r["tau"]) == {"sharegpt", "humaneval"}
         assert set(r["lookup_tau"]) == {"sharegpt", "humaneval"} and r["bytes_per_token"] > 0
-    assert rows["fp8"]["bytes_per_token"] < rows["main"]["bytes_per_token"]
-    assert "| fp8 |" in done.stdout and "| main |" in done.stdout
+    assert rows["main"]["bytes_per_token"] < rows["bf16"]["bytes_per_token"]  # main is fp8
+    assert "| bf16 |" in done.stdout and "| main |" in done.stdout
     assert "extract/shard-00000" in done.stdout  # per-job times from the benchmark files
     with tarfile.open(tmp_path / "logs.tar.gz") as tar:  # the small files, no shards or weights
         names = set(tar.getnames())
-    for run in ("quality-main", "quality-fp8"):
+    for run in ("quality-main", "quality-bf16"):
         assert {f"{run}/eval/metrics.json", f"{run}/train/metrics.jsonl", f"{run}/report.md",
                 f"{run}/logs/evaluate.log", f"{run}/quality.log"} <= names  # fmt: skip
     assert not [n for n in names if n.endswith((".arrow", ".parquet", ".safetensors", ".pt"))]

@@ -159,3 +159,42 @@ def test_padded_shapes_are_few():
     assert padded_shape([1000], 1) == (1, 1024)
     widths = {padded_shape([n], 8)[1] for n in range(1, 4097)}
     assert len(widths) <= 7  # under dynamo's recompile limit of 8
+
+
+def test_static_cache_batches_share_the_widest_shape(tiny_target_dir, tmp_path, caplog):
+    """One long prompt: with a static cache every batch is padded to its width (one decode graph),
+    and the answers are still those of the dynamic cache's per-batch widths."""
+    questions = [*QUESTIONS[:5], " ".join(["Please summarize the following list:"] + QUESTIONS)]
+    prompts = []
+    for i, q in enumerate(questions):
+        msgs = [{"role": "user", "content": q}]
+        prompts.append(Prompt(prompt_key(msgs), "t", str(i), 0, msgs, None, f"f:{i}"))
+    write_prompts(tmp_path / "p.parquet", prompts)
+    shapes = {}
+    for cache in ("dynamic", "static"):
+        caplog.clear()
+        with caplog.at_level("INFO", logger="dflashpipe.regenerate"):
+            run(_cfg(tiny_target_dir, cache=cache, shards=1), str(tmp_path / "p.parquet"), 0,
+                str(tmp_path / f"{cache}.parquet"))  # fmt: skip
+        shapes[cache] = [
+            m.split("shape ")[1].split(":")[0] for m in caplog.messages if "shape" in m
+        ]
+    assert len(shapes["static"]) == 3 and set(shapes["static"]) == {"(2, 128)"}
+    assert set(shapes["dynamic"]) == {"(2, 128)", "(2, 64)"}
+    a, b = _table(tmp_path / "dynamic.parquet"), _table(tmp_path / "static.parquet")
+    assert a.to_pylist() == b.to_pylist()
+
+
+def test_prompts_over_max_prompt_tokens_are_skipped(tiny_target_dir, prompts_file, tmp_path):
+    cfg = _cfg(tiny_target_dir, shards=1)
+    tok = load_tokenizer(cfg.target)
+    lengths = sorted(
+        len(encode_prompt(tok, r["messages"])) for r in pq.read_table(prompts_file).to_pylist()
+    )
+    cfg = _cfg(tiny_target_dir, shards=1, max_prompt_tokens=lengths[4])
+    run(cfg, str(prompts_file), 0, str(tmp_path / "s.parquet"))
+    table = _table(tmp_path / "s.parquet")
+    stats = json.loads(table.schema.metadata[b"stats"])
+    assert stats["prompt_too_long"] == sum(n > lengths[4] for n in lengths) >= 1
+    assert table.num_rows == 10 - stats["prompt_too_long"]
+    assert max(table.column("num_prompt_tokens").to_pylist()) <= lengths[4]

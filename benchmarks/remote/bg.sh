@@ -2,11 +2,12 @@
 # setsid bash benchmarks/remote/bg.sh VARIANTS...: the quality runs in the background (they
 # outlive the call that starts them), main first; a variant starts once the deepest stage of main
 # that its overlay's `# reuse:` line shares has finished (none: at once). /tmp/q/ALLDONE marks
-# the end.
+# the end. QUALITY_EXTRA=FILE adds one more config file on top of every run's (e.g. other sizes).
 cd "$(dirname "$0")/../.." && . benchmarks/remote/setup.sh >/dev/null
 mkdir -p /tmp/q
 M=/tmp/runs/quality-main/results
-python3 benchmarks/quality.py main --runs /tmp/runs > /tmp/q/main.out 2>&1 &
+EXTRA=${QUALITY_EXTRA:+--configfile $QUALITY_EXTRA}
+python3 benchmarks/quality.py main --runs /tmp/runs $EXTRA > /tmp/q/main.out 2>&1 &
 for v in "$@"; do
   reuse=" $(sed -n 's/^# reuse://p' benchmarks/quality/$v.yaml) "
   case $reuse in   # wait for the deepest stage of main the variant shares
@@ -16,7 +17,7 @@ for v in "$@"; do
     *) need=/ ;;
   esac
   (until [ -e $need ]; do sleep 5; done; sleep 2
-   python3 benchmarks/quality.py $v --runs /tmp/runs > /tmp/q/$v.out 2>&1) &
+   python3 benchmarks/quality.py $v --runs /tmp/runs $EXTRA > /tmp/q/$v.out 2>&1) &
 done
 wait
 touch /tmp/q/ALLDONE

@@ -12,6 +12,7 @@ status() {
     ls $r/logs/evaluate* >/dev/null 2>&1 && tail -c 200 $r/logs/evaluate*.log 2>/dev/null | tr '\r' '\n' | tail -2
   done
   nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader
+  echo "disk $(df -h --output=used,avail /tmp | tail -1) mem $(free -g | awk '/Mem/{print $3"G used"}') load $(cut -d' ' -f1 /proc/loadavg)"
 }
 while [ $SECONDS -lt $end ] && [ ! -f /tmp/q/ALLDONE ]; do
   status; sleep $(( (end - SECONDS) < 60 ? (end - SECONDS > 0 ? end - SECONDS : 1) : 60 ))

@@ -197,6 +197,7 @@ class RegenerateConfig:
     enable_thinking: bool | None = None
     cache: str = "auto"
     save_every: int = 512
+    max_prompt_tokens: int | None = None
 
 
 @dataclass

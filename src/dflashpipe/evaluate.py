@@ -1,7 +1,8 @@
 """Stage 6, evaluate: greedy speculative decoding with an exported drafter on held-out prompts.
 
     eval.parquet ─► num_prompts (round robin over sources) ─► chat template ─► fit to context
-      ─► per prompt, one harness (speculative.py), in the target's run dtype:
+      ─► per prompt (`workers` processes side by side, each a slice of the prompts), one
+         harness (speculative.py), in the target's run dtype:
            target-only greedy │ DFlash drafter │ prompt lookup (n-gram proposer, same loop)
       ─► run dtype not float32 (bf16 on GPU): bf16 agreement; target + drafter to float32,
          target-only and DFlash decoded again for the lossless check
@@ -56,10 +57,11 @@ class EvaluateConfig:
     max_new_tokens: int = 256
     prompt_lookup_num_tokens: int = 10  # transformers' usual setting
     prompt_lookup_max_ngram: int = 2  # transformers' default max_matching_ngram_size
+    workers: int = 1  # processes decoding slices of the prompts side by side on the one device
     enable_thinking: bool | None = None
 
     def __post_init__(self) -> None:
-        for name in ("num_prompts", "max_new_tokens", "prompt_lookup_num_tokens"):
+        for name in ("num_prompts", "max_new_tokens", "prompt_lookup_num_tokens", "workers"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"evaluate.{name} must be >= 1, got {getattr(self, name)}")
         if self.prompt_lookup_max_ngram < 1:
@@ -307,28 +309,83 @@ def load_models(target_cfg: TargetConfig, drafter_dir: str | Path, device: torch
     return model, tok, drafter.to(model.dtype).eval()
 
 
+Responses = tuple[dict[str, list[Decoded]], tuple[list[Decoded], list[Decoded]]]
+
+
 def decode_and_check(
-    model, drafter, prompts: list[tuple[dict, list[int]]], ev: EvaluateConfig, stop_ids: set[int]
-) -> tuple[dict[str, list[Decoded]], tuple[list[Decoded], list[Decoded]]]:
+    model, drafter, prompts: list[tuple[dict, list[int]]], ev: EvaluateConfig, stop_ids: set[int],
+    worker: str = "",
+) -> Responses:  # fmt: skip
     """(timed responses per method in the run dtype, float32 (target-only, DFlash) pair)."""
     target = Target(model, drafter.config.target_layer_ids)
     dflash = DFlashProposer(drafter)
     lookup = PromptLookupProposer(ev.prompt_lookup_num_tokens, ev.prompt_lookup_max_ngram)
     n = ev.max_new_tokens
     try:
-        main = decode_all(
-            target, {"dflash": dflash, "prompt_lookup": lookup}, prompts, n, stop_ids, "evaluate"
-        )
+        main = decode_all(target, {"dflash": dflash, "prompt_lookup": lookup}, prompts, n,
+                          stop_ids, f"evaluate{worker}")  # fmt: skip
         if model.dtype == torch.float32:
             return main, (main["target"], main["dflash"])
         # bf16 rounds a block forward and one-token forwards differently, so near-tied argmaxes
         # flip: losslessness is a float32 property, checked in float32.
         model.float()
         drafter.float()
-        fp32 = decode_all(target, {"dflash": dflash}, prompts, n, stop_ids, "float32 check")
+        fp32 = decode_all(target, {"dflash": dflash}, prompts, n, stop_ids, f"float32{worker}")
         return main, (fp32["target"], fp32["dflash"])
     finally:
         target.close()
+
+
+def _decode_slice(target_cfg: TargetConfig, drafter_dir: str, device: str, prompts: list,
+                  ev: EvaluateConfig, stop_ids: set[int], worker: str) -> Responses:  # fmt: skip
+    """One worker process: its own copy of the models, one slice of the prompts."""
+    torch.set_num_threads(1)  # the processes share the machine's cores
+    model, _, drafter = load_models(target_cfg, drafter_dir, torch.device(device))
+    return decode_and_check(model, drafter, prompts, ev, stop_ids, worker)
+
+
+def decode_in_workers(
+    model, drafter, prompts: list[tuple[dict, list[int]]], ev: EvaluateConfig, stop_ids: set[int],
+    target_cfg: TargetConfig, drafter_dir: str | Path,
+) -> Responses:  # fmt: skip
+    """decode_and_check over `ev.workers` processes on the same device, prompt k in slice
+    k % workers; this process decodes slice 0 with the models it holds. Decoding one sequence is
+    bound by Python and kernel launches, so side by side the slices share the device well; every
+    process still interleaves the methods per prompt, so speed ratios compare like with like."""
+    from concurrent.futures import ProcessPoolExecutor
+    from multiprocessing import get_context
+
+    workers = min(ev.workers, len(prompts))
+    if workers == 1:
+        return decode_and_check(model, drafter, prompts, ev, stop_ids)
+    slices = [prompts[k::workers] for k in range(workers)]
+    device = str(model.device)
+    with ProcessPoolExecutor(workers - 1, mp_context=get_context("spawn")) as pool:
+        futures = [
+            pool.submit(
+                _decode_slice,
+                target_cfg,
+                str(drafter_dir),
+                device,
+                part,
+                ev,
+                stop_ids,
+                f" [{k}/{workers}]",
+            )  # fmt: skip
+            for k, part in enumerate(slices[1:], start=1)
+        ]
+        parts = [decode_and_check(model, drafter, slices[0], ev, stop_ids, f" [0/{workers}]")]
+        parts += [f.result() for f in futures]
+
+    def merged(lists: list[list[Decoded]]) -> list[Decoded]:
+        out: list[Decoded] = [None] * len(prompts)  # type: ignore[list-item]
+        for k, part in enumerate(lists):
+            out[k::workers] = part
+        return out
+
+    main = {m: merged([p[0][m] for p in parts]) for m in parts[0][0]}
+    lossless = (merged([p[1][0] for p in parts]), merged([p[1][1] for p in parts]))
+    return main, lossless
 
 
 def run_info(
@@ -378,8 +435,11 @@ def run(
             f"none of the {len(rows)} eval prompts of {prompts_path} can be decoded "
             f"(skipped: {dict(skipped)}); the context is {context} tokens"
         )
-    log.info("%d prompts on %s in %s (skipped %s)", len(prompts), device, run_dtype, dict(skipped))
-    main, lossless = decode_and_check(model, drafter, prompts, ev, end_of_turn_ids(tok))
+    log.info("%d prompts on %s in %s, %d worker process(es) (skipped %s)", len(prompts), device,
+             run_dtype, min(ev.workers, len(prompts)), dict(skipped))  # fmt: skip
+    main, lossless = decode_in_workers(
+        model, drafter, prompts, ev, end_of_turn_ids(tok), target_cfg, drafter_dir
+    )
     metrics = summarize(
         prompts,
         main,

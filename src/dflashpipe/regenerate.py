@@ -81,20 +81,19 @@ def generation_config(gen: RegenerateConfig, eot: set[int], pad_id: int, device:
     )
 
 
-def padded_shape(lengths: list[int], batch_size: int) -> tuple[int, int]:
-    """(rows, width) of a generate() call: with a static cache every distinct shape is another
-    compiled decode graph, so widths round up to a power of two (>= 64) and a short last batch
-    is filled up to batch_size: a handful of shapes, far under the recompile limit."""
-    width = max(64, 1 << (max(lengths) - 1).bit_length())
+def padded_shape(lengths: list[int], batch_size: int, width: int = 0) -> tuple[int, int]:
+    """(rows, width) of a generate() call: widths round up to a power of two (>= 64, at least
+    `width`) and a short last batch is filled up to batch_size, so the shapes are few."""
+    width = max(width, 64, 1 << (max(lengths) - 1).bit_length())
     return max(batch_size, len(lengths)), width
 
 
 @torch.inference_mode()
 def generate_batch(
-    model, prompts: list[list[int]], gen_cfg, eot: set[int], batch_size: int = 0
+    model, prompts: list[list[int]], gen_cfg, eot: set[int], batch_size: int = 0, width: int = 0
 ) -> list[tuple]:
     """(new token ids incl. the end-of-turn token, finish reason) per prompt; left padding."""
-    rows, width = padded_shape(list(map(len, prompts)), batch_size)
+    rows, width = padded_shape(list(map(len, prompts)), batch_size, width)
     ids = torch.full((rows, width), gen_cfg.pad_token_id, dtype=torch.long)
     mask = torch.zeros((rows, width), dtype=torch.long)
     for row in range(rows):
@@ -181,9 +180,15 @@ def regenerate_rows(rows, model, tok, gen: RegenerateConfig, budget: int, parts:
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else min(eot)
     gen_cfg = generation_config(gen, eot, pad_id, model.device)
     prompts = [encode_prompt(tok, r["messages"], gen.enable_thinking) for r in rows]
-    keep = [i for i, p in enumerate(prompts) if len(p) < budget]
+    longest = min(budget - 1, gen.max_prompt_tokens or budget)
+    keep = [i for i, p in enumerate(prompts) if len(p) <= longest]
     stats = Counter(prompt_too_long=len(rows) - len(keep))
     by_length = plan_batches([len(prompts[i]) for i in keep], gen.batch_size)
+    # With a static cache every batch takes the shard's widest shape: one compiled decode graph
+    # serves them all (transformers also sizes the cache for the longest call so far, so a
+    # narrower batch would not decode faster anyway).
+    static = gen_cfg.cache_implementation == "static"
+    width = padded_shape([len(prompts[i]) for i in keep], 1)[1] if static and keep else 0
     batches = [[keep[i] for i in b] for b in by_length]
     per_part = max(1, gen.save_every // gen.batch_size)
     done = parts.done()
@@ -199,14 +204,13 @@ def regenerate_rows(rows, model, tok, gen: RegenerateConfig, budget: int, parts:
         for batch in batches[first : first + per_part]:
             t = time.perf_counter()
             answers = generate_batch(
-                model, [prompts[i] for i in batch], gen_cfg, eot, gen.batch_size
+                model, [prompts[i] for i in batch], gen_cfg, eot, gen.batch_size, width
             )
             made = sum(len(new) for new, _ in answers)
-            # one line a batch: a new padded width means a new compiled decode graph
             log.info(
                 "batch of %d prompts, shape %s: %d new tokens in %.1f s",
                 len(batch),
-                padded_shape([len(prompts[i]) for i in batch], gen.batch_size),
+                padded_shape([len(prompts[i]) for i in batch], gen.batch_size, width),
                 made,
                 time.perf_counter() - t,
             )
