@@ -5,7 +5,7 @@
 #   .remote/a: the wheels that machine lacks (wheels.txt, Python 3.12), ShareGPT (zstd), GGUF part 0
 #   .remote/b: GGUF part 1, HumanEval
 # There: `. benchmarks/remote/setup.sh` after each part arrives (it assembles resources/ under
-# /tmp/res once both are there), then `setsid bash benchmarks/remote/bg.sh fp8 ...` starts the
+# /tmp/res once both are there), then `setsid bash benchmarks/remote/bg.sh bf16 ...` starts the
 # runs in the background and `bash benchmarks/remote/mon.sh SECONDS` follows them.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
