@@ -270,3 +270,40 @@ def test_target_context_takes_the_outputs_of_the_tapped_layers_in_order():
     assert ctx.shape == (1, 9, 2 * H)
     torch.testing.assert_close(ctx[..., :H], outputs[3])
     torch.testing.assert_close(ctx[..., H:], outputs[1])
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_init_from_target_layers_copies_the_last_layers(family):
+    from dflashpipe.model import init_from_target_layers
+
+    torch.manual_seed(1)
+    if family == "llama":
+        target = LlamaForCausalLM(tiny_target())
+    else:
+        tc = tiny_target()
+        target = Qwen3ForCausalLM(Qwen3Config(**{k: getattr(tc, k) for k in (
+            "num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads",
+            "vocab_size", "intermediate_size", "max_position_embeddings", "rms_norm_eps")}))  # fmt: skip
+    with torch.no_grad():  # norms start as ones in HF: make them tell layers apart
+        for name, p in target.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    config = DrafterConfig.from_target(target.config, mask_token_id=MASK, num_layers=2)
+    drafter = Drafter.from_target_model(config, target)
+    fc_before = drafter.fc.weight.clone()
+    assert init_from_target_layers(drafter, target) == [4, 5]
+    for i, j in ((0, 4), (1, 5)):
+        mine, theirs = drafter.layers[i].state_dict(), target.model.layers[j].state_dict()
+        for name in ("self_attn.q_proj.weight", "self_attn.o_proj.weight", "mlp.down_proj.weight",
+                     "input_layernorm.weight", "post_attention_layernorm.weight"):  # fmt: skip
+            assert torch.equal(mine[name], theirs[name]), (i, name)
+        q_norm = mine["self_attn.q_norm.weight"]
+        if family == "llama":  # no per-head norms there: they stay ones
+            assert torch.equal(q_norm, torch.ones_like(q_norm))
+        else:
+            assert torch.equal(q_norm, theirs["self_attn.q_norm.weight"])
+    assert torch.equal(drafter.norm.weight, target.model.norm.weight)
+    assert torch.equal(drafter.fc.weight, fc_before)
+    too_many = DrafterConfig.from_target(target.config, mask_token_id=MASK, num_layers=7)
+    with pytest.raises(ConfigError, match="num_layers <= the target's 6 layers, got 7"):
+        init_from_target_layers(Drafter.from_target_model(too_many, target), target)

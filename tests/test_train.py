@@ -52,6 +52,30 @@ def test_train_exports_a_drafter_and_learns(tmp_path, tiny_features, tiny_target
     assert cfg["dflash_config"]["mask_token_id"] not in {0, 1, 2}
 
 
+def test_drafter_can_start_from_the_targets_last_layers(tmp_path, tiny_features, tiny_target_dir):
+    """drafter.init target-layers: one step at a negligible learning rate exports (almost) the
+    target's last decoder layer and final norm."""
+    from safetensors.torch import load_file
+
+    raw = json.loads(json.dumps(tiny_features["raw"]))
+    raw["drafter"]["init"] = "target-layers"
+    raw["train"].update(lr=1e-12, max_steps=1)
+    config = write_yaml(tmp_path / "init.yaml", raw)
+    out = tmp_path / "init"
+    launch(str(config), str(tiny_features["manifest"]), str(out / "run"), str(out / "drafter"),
+           str(out / "metrics.jsonl"))  # fmt: skip
+    mine = load_file(out / "drafter" / "model.safetensors")
+    theirs = load_file(tiny_target_dir / "model.safetensors")
+    for name in ("self_attn.q_proj.weight", "mlp.gate_proj.weight", "input_layernorm.weight"):
+        a, b = mine[f"layers.0.{name}"], theirs[f"model.layers.1.{name}"]
+        assert torch.allclose(a.float(), b.to(a.dtype).float(), atol=1e-6), name  # export dtype
+    norm = mine["norm.weight"]
+    assert torch.allclose(norm.float(), theirs["model.norm.weight"].to(norm.dtype).float())
+    assert not torch.allclose(  # the other layer of the target is not the one taken
+        mine["layers.0.mlp.gate_proj.weight"].float(), theirs["model.layers.0.mlp.gate_proj.weight"]
+    )
+
+
 def test_two_processes(tmp_path, tiny_features):
     args, out = _train(tmp_path, tiny_features, "ddp", cpu_processes=2, epochs=1, val_samples=8)
     launch(*args)

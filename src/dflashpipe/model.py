@@ -378,3 +378,29 @@ class Drafter(nn.Module):
         for layer in self.layers:
             x = layer(x, ctx, rope, masks)
         return self.norm(x)
+
+
+def init_from_target_layers(drafter: Drafter, target: nn.Module) -> list[int]:
+    """Start drafter layer i from target decoder layer N-L+i (the target's last L layers) and the
+    final norm from the target's: every weight whose name and shape match is copied. A
+    Llama-family target has no per-head q/k norms, so those stay ones; `fc` and `hidden_norm` have
+    no counterpart and keep their initialization. Returns the target layers used."""
+    decoder = target.get_decoder()
+    layers, n = decoder.layers, len(drafter.layers)
+    if n > len(layers):
+        raise ConfigError(
+            f"drafter.init target-layers needs num_layers <= the target's {len(layers)} layers, "
+            f"got {n}"
+        )
+    used = list(range(len(layers) - n, len(layers)))
+    with torch.no_grad():
+        for mine, j in zip(drafter.layers, used, strict=True):
+            theirs = layers[j].state_dict()
+            for name, param in mine.state_dict().items():
+                src = theirs.get(name)
+                if src is not None and src.shape == param.shape:
+                    param.copy_(src)
+        norm = getattr(decoder, "norm", None)
+        if norm is not None and norm.weight.shape == drafter.norm.weight.shape:
+            drafter.norm.weight.copy_(norm.weight)
+    return used

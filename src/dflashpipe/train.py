@@ -42,7 +42,7 @@ from dflashpipe.errors import DataError
 from dflashpipe.export import save_drafter
 from dflashpipe.loss import block_labels, default_gamma, dflash_loss
 from dflashpipe.metrics import MetricsLog, expected_acceptance, step_flops
-from dflashpipe.model import FROZEN_PREFIXES, Drafter, DrafterConfig
+from dflashpipe.model import FROZEN_PREFIXES, Drafter, DrafterConfig, init_from_target_layers
 from dflashpipe.shards import FeatureShard, check_manifest, verify_shard
 from dflashpipe.storage import atomic_path, write_json
 
@@ -178,7 +178,11 @@ class Trainer:
             target_layer_ids=self.manifest["layer_ids"], sliding_window=d["sliding_window"],
         )  # fmt: skip
         torch.manual_seed(self.tc["seed"])
-        drafter = Drafter.from_target_model(self.dcfg, target).to(self.device)
+        drafter = Drafter.from_target_model(self.dcfg, target)
+        if d["init"] == "target-layers":
+            used = init_from_target_layers(drafter, target)
+            log.info("drafter layers start from the target's decoder layers %s", used)
+        drafter = drafter.to(self.device)
         del target
         if self.device.type == "cuda" and self.tc["compile"]:
             for layer in drafter.layers:  # per layer: every layer kind compiles once
