@@ -22,10 +22,10 @@ TINY = {
 
 
 @pytest.mark.slow
-def test_quality_driver_main_and_bf16_variant(tmp_path, smollm2_dir):
+def test_quality_driver_main_and_variants(tmp_path, smollm2_dir):
     tiny = write_yaml(tmp_path / "tiny.yaml", TINY)
     runs = tmp_path / "runs"
-    cmd = [sys.executable, str(REPO / "benchmarks" / "quality.py"), "main", "bf16",
+    cmd = [sys.executable, str(REPO / "benchmarks" / "quality.py"), "main", "bf16", "dataset-answers", "mixed",
            "--runs", str(runs), "--configfile", str(tiny), "--cores", "2",
            "--out", str(tmp_path / "rows.json"), "--bundle", str(tmp_path / "logs.tar.gz")]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=1500)
@@ -41,7 +41,14 @@ def test_quality_driver_main_and_bf16_variant(tmp_path, smollm2_dir):
     }
     assert codecs == {"bf16-zstd", "fp8-zstd"}
     rows = {r["variant"]: r for r in json.loads((tmp_path / "rows.json").read_text())}
-    assert set(rows) == {"main", "bf16"}
+    assert set(rows) == {"main", "bf16", "dataset-answers", "mixed"}
+    # mixed trains on main's features plus the dataset-answers run's (train.extra_features)
+    log = (runs / "quality-mixed" / "results" / "logs" / "train.log").read_text()
+    extra = int(log.split("samples (")[1].split(" of them from train.extra_features")[0])
+    answers = json.loads(
+        (runs / "quality-dataset-answers" / "results" / "features" / "manifest.json").read_text()
+    )
+    assert extra == answers["totals"]["samples"] > 0
     for r in rows.values():
         assert r["lossless"] == 1.0 and set(r["tau"]) == {"sharegpt", "humaneval"}
         assert set(r["lookup_tau"]) == {"sharegpt", "humaneval"} and r["bytes_per_token"] > 0

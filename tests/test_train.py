@@ -76,6 +76,45 @@ def test_drafter_can_start_from_the_targets_last_layers(tmp_path, tiny_features,
     )
 
 
+def test_extra_features_are_trained_on_but_never_held_out(tmp_path, tiny_features):
+    """train.extra_features: another manifest's shards (here a copy) join the training samples;
+    the held-out samples stay the stage's own; a mismatched or corrupt extra set is refused."""
+    import shutil
+
+    from dflashpipe.errors import IntegrityError
+
+    extra = tmp_path / "extra"
+    extra.mkdir()
+    for path in [*tiny_features["shards"], tiny_features["manifest"]]:
+        shutil.copy(path, extra / path.name)
+    raw = json.loads(json.dumps(tiny_features["raw"]))
+    raw["train"]["val_samples"] = 4
+
+    def trainer(run: str, **train) -> Trainer:
+        cfg = Config.from_dict({**raw, "train": {**raw["train"], **train}})
+        return Trainer(cfg, tiny_features["manifest"], tmp_path / run, torch.device("cpu"))
+
+    alone = trainer("a")
+    both = trainer("b", extra_features=[str(extra / "manifest.json")])
+    own = len(alone.shards)
+    assert both.shards[own:] == [extra / p.name for p in tiny_features["shards"]]
+    assert both.val_samples == alone.val_samples and all(s.shard < own for s in both.val_samples)
+    added = [s for s in both.samples if s.shard >= own]
+    assert len(added) == len(alone.samples) + len(alone.val_samples)  # all of the copy trains
+    assert both.samples[: len(alone.samples)] == alone.samples
+    assert both.fingerprint["extra_features"] == [str(extra / "manifest.json")]
+
+    manifest = json.loads((extra / "manifest.json").read_text())
+    (extra / "other.json").write_text(json.dumps({**manifest, "layer_ids": [0]}))
+    with pytest.raises(DataError, match="other.json: feature manifest layer_ids is"):
+        trainer("c", extra_features=[str(extra / "other.json")])
+    with open(extra / tiny_features["shards"][1].name, "r+b") as f:
+        f.seek(-100, 2)
+        f.write(b"x" * 8)
+    with pytest.raises(IntegrityError, match="does not match the manifest"):
+        trainer("d", extra_features=[str(extra / "manifest.json")])
+
+
 def test_two_processes(tmp_path, tiny_features):
     args, out = _train(tmp_path, tiny_features, "ddp", cpu_processes=2, epochs=1, val_samples=8)
     launch(*args)

@@ -1,7 +1,8 @@
 #!/bin/bash
 # setsid bash benchmarks/remote/bg.sh VARIANTS...: the quality runs in the background (they
 # outlive the call that starts them), main first; a variant starts once the deepest stage of main
-# that its overlay's `# reuse:` line shares has finished (none: at once). /tmp/q/ALLDONE marks
+# that its overlay's `# reuse:` line shares has finished (none: at once), and the files of other
+# runs its `# wait:` line names (relative to its work directory) exist. /tmp/q/ALLDONE marks
 # the end. QUALITY_EXTRA=FILE adds one more config file on top of every run's (e.g. other sizes).
 cd "$(dirname "$0")/../.." && . benchmarks/remote/setup.sh >/dev/null
 mkdir -p /tmp/q
@@ -16,7 +17,10 @@ for v in "$@"; do
     *" prompts "*) need=$M/prompts/train.parquet ;;
     *) need=/ ;;
   esac
-  (until [ -e $need ]; do sleep 5; done; sleep 2
+  waits=$(sed -n 's/^# wait://p' benchmarks/quality/$v.yaml)  # other runs' files it reads
+  mkdir -p /tmp/runs/quality-$v
+  (until [ -e $need ]; do sleep 5; done
+   for w in $waits; do until [ -e /tmp/runs/quality-$v/$w ]; do sleep 5; done; done; sleep 2
    python3 benchmarks/quality.py $v --runs /tmp/runs $EXTRA > /tmp/q/$v.out 2>&1) &
 done
 wait

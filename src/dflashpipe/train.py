@@ -33,6 +33,7 @@ from dflashpipe import checkpoint, faults
 from dflashpipe.config import Config, load_config
 from dflashpipe.data import (
     PackedBatches,
+    Sample,
     epoch_plan,
     index_samples,
     make_loader,
@@ -98,6 +99,20 @@ def read_manifest(path: Path) -> dict:
     return manifest
 
 
+def extra_features(path: Path, own: dict) -> tuple[dict, list[Path]]:
+    """(manifest, shard paths) of more features to train on (`train.extra_features`): they must
+    come from the same target (weights and tokenizer) with the same layers and hidden size as the
+    stage's own; their shards are the files of those names beside the manifest."""
+    manifest = read_manifest(path)
+    try:
+        check_manifest(manifest, {key: own.get(key) for key in ("layer_ids", "hidden_size")}
+                       | {f"target.{k}": own["target"].get(k)
+                          for k in ("weights_sha256", "tokenizer_sha256")})  # fmt: skip
+    except DataError as e:
+        raise DataError(f"train.extra_features {path}: {e}") from None
+    return manifest, [path.parent / Path(s["path"]).name for s in manifest["shards"]]
+
+
 def compute_head(drafter: Drafter, device: torch.device) -> torch.Tensor:
     """The frozen LM head as the loss multiplies it: bf16 on GPU (a float32 head would run the
     biggest matmul of the step, rows x vocab, at a fraction of the tensor cores' rate; the
@@ -128,6 +143,7 @@ class Trainer:
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.manifest = read_manifest(Path(manifest_path))
         self.shards = [Path(s["path"]) for s in self.manifest["shards"]]
+        self.extra = [extra_features(Path(p), self.manifest) for p in self.tc["extra_features"]]
         self.tokens = self.tc["micro_batch_tokens"] or self.tc["max_length"]
         self._build_model()
         self.stats: dict = {}
@@ -135,6 +151,15 @@ class Trainer:
             index_samples(self.shards, self.tokens, self.stats), self.tc["val_samples"],
             self.tc["seed"],
         )  # fmt: skip
+        for _, paths in self.extra:  # trained on, never held out: the held-out figures stay those
+            first = len(self.shards)  # of the stage's own data
+            extra = index_samples(paths, self.tokens, self.stats)
+            self.samples += [Sample(s.shard + first, s.row, s.length) for s in extra]
+            self.shards += paths
+        if self.rank == 0:
+            log.info("training on %d samples (%d of them from train.extra_features), %d held out",
+                     len(self.samples), sum(s.shard >= len(self.manifest["shards"])
+                                            for s in self.samples), len(self.val_samples))  # fmt: skip
         if self.val_samples:
             try:
                 self._val_plan = epoch_plan(
@@ -166,12 +191,16 @@ class Trainer:
         d = self.cfg.section("drafter")
         if d["target_layer_ids"] is not None:
             check_manifest(self.manifest, {"layer_ids": d["target_layer_ids"]})
-        for path in self.shards[self.rank :: self.world]:  # each shard hashed once, not per rank
-            verify_shard(path, self.manifest)
+        owned = [(path, self.manifest) for path in self.shards]
+        owned += [(path, manifest) for manifest, paths in self.extra for path in paths]
+        for path, manifest in owned[
+            self.rank :: self.world
+        ]:  # each shard hashed once, not per rank
+            verify_shard(path, manifest)
         mask_id = (
             d["mask_token_id"]
             if d["mask_token_id"] is not None
-            else choose_mask_token(tok, self.shards)
+            else choose_mask_token(tok, [path for path, _ in owned])
         )
         self.dcfg = DrafterConfig.from_target(
             target.config, mask_token_id=mask_id, num_layers=d["num_layers"], block_size=d["block_size"],
@@ -204,6 +233,8 @@ class Trainer:
         )
         if self.tc["val_samples"]:  # the held-out samples are not in the training data
             self.fingerprint["val_samples"] = self.tc["val_samples"]
+        if self.tc["extra_features"]:
+            self.fingerprint["extra_features"] = list(self.tc["extra_features"])
         if self.fsdp:  # its checkpoints key the optimizer state by name, DDP's by position
             self.fingerprint["parallel"] = "fsdp"
 

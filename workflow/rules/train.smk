@@ -8,6 +8,7 @@ rule train:
         manifest=f"{RESULTS}/features/manifest.json",
         shards=feature_shards(),
         target=target_files,
+        extra=CFG.section("train")["extra_features"],
     output:
         config=f"{RESULTS}/drafter/config.json",
         weights=f"{RESULTS}/drafter/model.safetensors",
