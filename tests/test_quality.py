@@ -61,3 +61,25 @@ def test_quality_driver_main_and_variants(tmp_path, smollm2_dir):
         assert {f"{run}/eval/metrics.json", f"{run}/train/metrics.jsonl", f"{run}/report.md",
                 f"{run}/logs/evaluate.log", f"{run}/quality.log"} <= names  # fmt: skip
     assert not [n for n in names if n.endswith((".arrow", ".parquet", ".safetensors", ".pt"))]
+
+
+def test_a_run_trained_but_not_evaluated_has_a_row_of_training_figures(tmp_path):
+    """`--target train` (or a run cut short): the table shows its held-out expected tau."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("quality", REPO / "benchmarks" / "quality.py")
+    quality = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(quality)
+    work = tmp_path / "quality-block8"
+    assert quality.row(work) is None  # nothing trained yet
+    (work / "results" / "drafter").mkdir(parents=True)
+    (work / "results" / "drafter" / "model.safetensors").write_bytes(b"")
+    (work / "results" / "train").mkdir()
+    rows = [{"step": 5, "expected_acceptance": 1.5}, {"step": 9, "expected_acceptance": 2.4,
+            "val_expected_acceptance": 1.94}]  # fmt: skip
+    (work / "results" / "train" / "metrics.jsonl").write_text("\n".join(map(json.dumps, rows)))
+    r = quality.row(work)
+    assert r["variant"] == "block8" and r["tau_all"] is None and r["lossless"] is None
+    assert (r["expected_tau"], r["held_out_expected_tau"], r["steps"]) == (2.4, 1.94, 9)
+    line = quality.table([r]).splitlines()[-1]
+    assert line.startswith("| block8 | - |") and "| 1.940 | 9 |" in line

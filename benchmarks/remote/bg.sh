@@ -1,5 +1,5 @@
 #!/bin/bash
-# setsid bash benchmarks/remote/bg.sh VARIANTS...: the quality runs in the background (they
+# setsid bash benchmarks/remote/bg.sh VARIANT[:TARGET]...: the quality runs in the background (they
 # outlive the call that starts them), main first; a variant starts once the deepest stage of main
 # that its overlay's `# reuse:` line shares has finished (none: at once), and the files of other
 # runs its `# wait:` line names (relative to its work directory) exist. /tmp/q/ALLDONE marks
@@ -9,7 +9,8 @@ mkdir -p /tmp/q
 M=/tmp/runs/quality-main/results
 EXTRA=${QUALITY_EXTRA:+--configfile $QUALITY_EXTRA}
 python3 benchmarks/quality.py main --runs /tmp/runs $EXTRA > /tmp/q/main.out 2>&1 &
-for v in "$@"; do
+for spec in "$@"; do   # VARIANT or VARIANT:TARGET (e.g. block8:train: no evaluate)
+  v=${spec%%:*}; target=all; [[ $spec == *:* ]] && target=${spec#*:}
   reuse=" $(sed -n 's/^# reuse://p' benchmarks/quality/$v.yaml) "
   case $reuse in   # wait for the deepest stage of main the variant shares
     *" features "*) need=$M/features/manifest.json ;;
@@ -21,7 +22,7 @@ for v in "$@"; do
   mkdir -p /tmp/runs/quality-$v
   (until [ -e $need ]; do sleep 5; done
    for w in $waits; do until [ -e /tmp/runs/quality-$v/$w ]; do sleep 5; done; done; sleep 2
-   python3 benchmarks/quality.py $v --runs /tmp/runs $EXTRA > /tmp/q/$v.out 2>&1) &
+   python3 benchmarks/quality.py $v --runs /tmp/runs --target $target $EXTRA > /tmp/q/$v.out 2>&1) &
 done
 wait
 touch /tmp/q/ALLDONE
