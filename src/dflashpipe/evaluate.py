@@ -359,19 +359,10 @@ def decode_in_workers(
     if workers == 1:
         return decode_and_check(model, drafter, prompts, ev, stop_ids)
     slices = [prompts[k::workers] for k in range(workers)]
-    device = str(model.device)
     with ProcessPoolExecutor(workers - 1, mp_context=get_context("spawn")) as pool:
+        args = (target_cfg, str(drafter_dir), str(model.device))
         futures = [
-            pool.submit(
-                _decode_slice,
-                target_cfg,
-                str(drafter_dir),
-                device,
-                part,
-                ev,
-                stop_ids,
-                f" [{k}/{workers}]",
-            )  # fmt: skip
+            pool.submit(_decode_slice, *args, part, ev, stop_ids, f" [{k}/{workers}]")
             for k, part in enumerate(slices[1:], start=1)
         ]
         parts = [decode_and_check(model, drafter, slices[0], ev, stop_ids, f" [0/{workers}]")]

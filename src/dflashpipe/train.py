@@ -142,24 +142,25 @@ class Trainer:
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.manifest = read_manifest(Path(manifest_path))
-        self.shards = [Path(s["path"]) for s in self.manifest["shards"]]
-        self.extra = [extra_features(Path(p), self.manifest) for p in self.tc["extra_features"]]
+        own = [Path(s["path"]) for s in self.manifest["shards"]]
+        extra = [extra_features(Path(p), self.manifest) for p in self.tc["extra_features"]]
+        # every shard beside the manifest that vouches for it; the stage's own come first
+        self.vouched = [(path, self.manifest) for path in own]
+        self.vouched += [(path, manifest) for manifest, paths in extra for path in paths]
+        self.shards = [path for path, _ in self.vouched]
         self.tokens = self.tc["micro_batch_tokens"] or self.tc["max_length"]
         self._build_model()
         self.stats: dict = {}
         self.samples, self.val_samples = split_validation(
-            index_samples(self.shards, self.tokens, self.stats), self.tc["val_samples"],
-            self.tc["seed"],
-        )  # fmt: skip
-        for _, paths in self.extra:  # trained on, never held out: the held-out figures stay those
-            first = len(self.shards)  # of the stage's own data
-            extra = index_samples(paths, self.tokens, self.stats)
-            self.samples += [Sample(s.shard + first, s.row, s.length) for s in extra]
-            self.shards += paths
+            index_samples(own, self.tokens, self.stats), self.tc["val_samples"], self.tc["seed"]
+        )
+        added: list[Sample] = []
+        if len(self.shards) > len(own):  # trained on, never held out: the held-out figures stay
+            added = index_samples(self.shards[len(own) :], self.tokens, self.stats)  # the own
+            self.samples += [Sample(s.shard + len(own), s.row, s.length) for s in added]
         if self.rank == 0:
             log.info("training on %d samples (%d of them from train.extra_features), %d held out",
-                     len(self.samples), sum(s.shard >= len(self.manifest["shards"])
-                                            for s in self.samples), len(self.val_samples))  # fmt: skip
+                     len(self.samples), len(added), len(self.val_samples))  # fmt: skip
         if self.val_samples:
             try:
                 self._val_plan = epoch_plan(
@@ -191,16 +192,12 @@ class Trainer:
         d = self.cfg.section("drafter")
         if d["target_layer_ids"] is not None:
             check_manifest(self.manifest, {"layer_ids": d["target_layer_ids"]})
-        owned = [(path, self.manifest) for path in self.shards]
-        owned += [(path, manifest) for manifest, paths in self.extra for path in paths]
-        for path, manifest in owned[
-            self.rank :: self.world
-        ]:  # each shard hashed once, not per rank
+        for path, manifest in self.vouched[self.rank :: self.world]:  # each shard hashed once
             verify_shard(path, manifest)
         mask_id = (
             d["mask_token_id"]
             if d["mask_token_id"] is not None
-            else choose_mask_token(tok, [path for path, _ in owned])
+            else choose_mask_token(tok, self.shards)
         )
         self.dcfg = DrafterConfig.from_target(
             target.config, mask_token_id=mask_id, num_layers=d["num_layers"], block_size=d["block_size"],
