@@ -1,7 +1,7 @@
 """Issue 8's quality benchmark: the whole workflow on a real target, then one summary table.
 
     python benchmarks/quality.py                     # the main run (configs/smollm2-sharegpt.yaml)
-    python benchmarks/quality.py bf16 block8         # variants: overlays in benchmarks/quality/
+    python benchmarks/quality.py bf16 block16        # variants: overlays in benchmarks/quality/
     python benchmarks/quality.py --table             # only print the table of finished runs
 
 Runs on a GPU machine without network once `resources/` holds the retrieved files

@@ -9,7 +9,7 @@ mkdir -p /tmp/q
 M=/tmp/runs/quality-main/results
 EXTRA=${QUALITY_EXTRA:+--configfile $QUALITY_EXTRA}
 python3 benchmarks/quality.py main --runs /tmp/runs $EXTRA > /tmp/q/main.out 2>&1 &
-for spec in "$@"; do   # VARIANT or VARIANT:TARGET (e.g. block8:train: no evaluate)
+for spec in "$@"; do   # VARIANT or VARIANT:TARGET (e.g. block16:train: no evaluate)
   v=${spec%%:*}; target=all; [[ $spec == *:* ]] && target=${spec#*:}
   reuse=" $(sed -n 's/^# reuse://p' benchmarks/quality/$v.yaml) "
   case $reuse in   # wait for the deepest stage of main the variant shares
