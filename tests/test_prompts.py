@@ -206,3 +206,17 @@ def test_empty_message_counts(data_dir):
     # a conversation whose only user turn is blank is dropped whole, with its row named
     _, _, stats = _build(data_dir)
     assert any(":4: empty_message" in e for e in stats["sources"]["msgs"]["drop_examples"])
+
+
+def test_eval_order_does_not_depend_on_the_train_limits(data_dir):
+    """evaluate reads the first num_prompts eval rows: recipes that differ only in how much they
+    train on must evaluate the same prompts (the order once followed the rng's draws for train)."""
+    raw = base_config(data_dir)
+    raw["prompts"]["sources"][1]["eval_count"] = 2
+    orders = []
+    for max_train in (None, 3, 5):
+        raw["prompts"]["max_train"] = max_train
+        train, evals, _ = build(Config.from_dict(raw).prompts)
+        assert max_train is None or len(train) == max_train
+        orders.append([p.prompt_id for p in evals])
+    assert len(orders[0]) >= 3 and orders[0] == orders[1] == orders[2]

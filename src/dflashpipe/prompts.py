@@ -229,7 +229,8 @@ def build(cfg: PromptsConfig) -> tuple[list[Prompt], list[Prompt], dict]:
         evals += eval_by[src.name]
         stats[src.name].update(train=len(train_by[src.name]), eval=len(eval_by[src.name]))
     rng.shuffle(train)
-    rng.shuffle(evals)
+    # evaluate reads the first eval rows: their order must not follow how many draws train took
+    random.Random(f"{cfg.seed}:eval").shuffle(evals)
     return train, evals, _finish_stats(stats, train, evals)
 
 
