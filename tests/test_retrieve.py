@@ -79,3 +79,17 @@ def test_missing_member_and_package(tmp_path, wheelhouse):
     spec = RetrieveSpec("otherpkg==1.0", "x", "0" * 64, str(tmp_path / "resources" / "x"))
     with pytest.raises(DataError, match="pip could not download otherpkg==1.0"):
         retrieve(spec, find_links=str(wheelhouse))
+
+
+def test_without_member_the_wheel_itself_is_kept_and_verified(tmp_path, wheelhouse):
+    wheel = wheelhouse / "tinydata-0.1.0-py3-none-any.whl"
+    sha = hashlib.sha256(wheel.read_bytes()).hexdigest()
+    dest = tmp_path / "resources" / "t" / "tinydata.whl"
+    out = retrieve(RetrieveSpec("tinydata==0.1.0", None, sha, str(dest)), str(wheelhouse))
+    assert out == dest and dest.read_bytes() == wheel.read_bytes()
+    with zipfile.ZipFile(dest) as zf:
+        assert zf.read("tinydata/data/file.bin") == PAYLOAD
+    other = tmp_path / "resources" / "t" / "other.whl"
+    with pytest.raises(IntegrityError, match="sha256 mismatch for tinydata-0.1.0"):
+        retrieve(RetrieveSpec("tinydata==0.1.0", None, "0" * 64, str(other)), str(wheelhouse))
+    assert not other.exists() and not list(other.parent.glob(".other.whl*"))

@@ -123,3 +123,95 @@ def test_not_utf8_is_named(tmp_path):
     path.write_bytes(gzip.compress(b"\xff\xfe\x00bad"))
     with pytest.raises(DataError, match="not UTF-8"):
         _read(SourceConfig(name="s", kind="jsonl", path=str(path)))
+
+
+MODULE = '''"""A module."""
+import os
+
+
+def add(a: int, b: int) -> int:
+    """Add two numbers.
+
+    >>> add(2, 3)
+    5
+    """
+    total = a + b
+    return total
+
+
+def undocumented(x):
+    return x
+
+
+def _private(x):
+    """Hidden."""
+    return x
+
+
+def only_doc():
+    """Nothing else."""
+
+
+class Box:
+    def size(self):
+        """How many items."""
+        return len(self.items)
+
+    async def fill(self, n):
+        """Fill it with n items."""
+        self.items = list(range(n))
+        return self
+'''
+
+
+def _python_package(tmp_path, as_wheel):
+    files = {"pkg/core.py": MODULE, "pkg/tests/test_core.py": MODULE, "pkg/broken.py": "def (:\n",
+             "pkg/latin.py": "s = '\xe9'\n".encode("latin-1")}  # fmt: skip
+    if as_wheel:
+        import zipfile
+
+        path = tmp_path / "pkg-1.0-py3-none-any.whl"
+        with zipfile.ZipFile(path, "w") as zf:
+            for name, text in files.items():
+                zf.writestr(name, text)
+        return path
+    for name, text in files.items():
+        (tmp_path / "src" / name).parent.mkdir(parents=True, exist_ok=True)
+        mode = "wb" if isinstance(text, bytes) else "w"
+        with open(tmp_path / "src" / name, mode) as f:
+            f.write(text)
+    return tmp_path / "src"
+
+
+@pytest.mark.parametrize("as_wheel", [True, False], ids=["wheel", "directory"])
+def test_python_source_makes_humaneval_shaped_tasks(tmp_path, as_wheel):
+    path = _python_package(tmp_path, as_wheel)
+    src = Config.from_dict(
+        {"target": {"model": "m"},
+         "prompts": {"sources": [{"name": "code", "kind": "python", "path": str(path)}]}}
+    ).prompts.sources[0]  # fmt: skip
+    convs, drops = _read(src)
+    assert [c.conversation_id for c in convs] == [
+        "pkg/core.py:add", "pkg/core.py:Box.size", "pkg/core.py:Box.fill"]  # fmt: skip
+    (role, text), (arole, answer) = convs[0].turns
+    assert role == "user" and text.startswith("Complete the following Python function")
+    assert 'def add(a: int, b: int) -> int:\n    """Add two numbers.\n\n    >>> add(2, 3)' in text
+    assert "total = a + b" not in text  # the body is the answer, not the prompt
+    assert arole == "assistant" and answer.endswith("total = a + b\n    return total\n")
+    fill = convs[2].turns[0][1]  # a method is dedented to the left margin
+    assert 'async def fill(self, n):\n    """Fill it with n items."""\n```' in fill
+    assert convs[0].origin.endswith("core.py:5")
+    assert dict(drops.counts) == {"test_module": 1, "unparsable": 2, "no_docstring": 1,
+                                  "private": 1, "no_body": 1}  # fmt: skip
+    assert any("broken.py: unparsable (SyntaxError)" in e for e in drops.examples)
+    assert any("latin.py: unparsable (UnicodeDecodeError)" in e for e in drops.examples)
+
+
+def test_python_source_names_a_bad_archive(tmp_path):
+    bad = tmp_path / "pkg.whl"
+    bad.write_bytes(b"not a zip")
+    src = SourceConfig(name="code", kind="python", path=str(bad))
+    with pytest.raises(DataError, match="pkg.whl: not a readable wheel or zip"):
+        _read(src)
+    with pytest.raises(DataError, match="not found"):
+        _read(SourceConfig(name="code", kind="python", path=str(tmp_path / "nope.whl")))

@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
 # Prepares, on a machine that reaches PyPI and has resources/ retrieved (`snakemake --cores 1
 # resources --configfile configs/smollm2-sharegpt.yaml`), what a GPU machine without network
-# needs to run benchmarks/quality.py, in two parts of under 64 MiB each (one per transfer):
+# needs to run benchmarks/quality.py, in three parts of under 64 MiB each (one per transfer):
 #   .remote/a: the wheels that machine lacks (wheels.txt, Python 3.12), ShareGPT (zstd), GGUF part 0
 #   .remote/b: GGUF part 1, HumanEval
+#   .remote/c: the code overlays' wheels (resources/code/; only the overlays code-answers and code)
 # There: `. benchmarks/remote/setup.sh` after each part arrives (it assembles resources/ under
 # /tmp/res once both are there), then `setsid bash benchmarks/remote/bg.sh bf16 ...` starts the
 # runs in the background and `bash benchmarks/remote/mon.sh SECONDS` follows them.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 R=.remote
-rm -rf $R && mkdir -p $R/a/whl $R/b
+rm -rf $R && mkdir -p $R/a/whl $R/b $R/c
 wheels=$(grep -v '^connection-pool' benchmarks/remote/wheels.txt)
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
@@ -22,4 +23,5 @@ G=resources/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 head -c 35000000 $G > $R/a/gguf.0
 tail -c +35000001 $G > $R/b/gguf.1
 cp resources/humaneval/HumanEval.jsonl.gz $R/b/
-du -sh $R/a $R/b
+cp resources/code/*.whl $R/c/
+du -sh $R/a $R/b $R/c

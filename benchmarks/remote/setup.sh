@@ -2,13 +2,13 @@
 # pack.sh). Idempotent across calls on one warm machine: wheels into /tmp/site, carried parts into
 # /tmp/xfer, resources assembled in /tmp/res and linked as resources/; `python` runs python3.
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-mkdir -p /tmp/site /tmp/xfer /tmp/res/smollm2 /tmp/res/sharegpt /tmp/res/humaneval /tmp/bin
+mkdir -p /tmp/site /tmp/xfer /tmp/res/smollm2 /tmp/res/sharegpt /tmp/res/humaneval /tmp/res/code /tmp/bin
 if [ -d .remote/a/whl ] && [ ! -f /tmp/site/.done ]; then
   python3 -m pip install -q --no-deps --no-index --target /tmp/site .remote/a/whl/*.whl && touch /tmp/site/.done
 fi
 [ -x /tmp/bin/python ] || { printf '#!/bin/sh\nexec python3 "$@"\n' > /tmp/bin/python; chmod +x /tmp/bin/python; }
 export PATH=/tmp/bin:/tmp/site/bin:$PATH PYTHONPATH=/tmp/site:$PWD/src
-for d in .remote/a .remote/b; do [ -d $d ] && find $d -maxdepth 1 -type f -exec cp --update=none {} /tmp/xfer/ \;; done
+for d in .remote/a .remote/b .remote/c; do [ -d $d ] && find $d -maxdepth 1 -type f -exec cp --update=none {} /tmp/xfer/ \;; done
 G=/tmp/res/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 if [ ! -f $G ] && [ -f /tmp/xfer/gguf.0 ] && [ -f /tmp/xfer/gguf.1 ]; then cat /tmp/xfer/gguf.0 /tmp/xfer/gguf.1 > $G.tmp && mv $G.tmp $G; fi
 S=/tmp/res/sharegpt/ShareGPT_V3_unfiltered_cleaned_split.json
@@ -16,6 +16,7 @@ if [ ! -f $S ] && [ -f /tmp/xfer/sharegpt.json.zst ]; then
   python3 -c "import zstandard,sys; zstandard.ZstdDecompressor().copy_stream(open(sys.argv[1],'rb'), open(sys.argv[2],'wb'))" /tmp/xfer/sharegpt.json.zst $S.tmp && mv $S.tmp $S
 fi
 [ -f /tmp/xfer/HumanEval.jsonl.gz ] && cp --update=none /tmp/xfer/HumanEval.jsonl.gz /tmp/res/humaneval/
+for w in /tmp/xfer/*-py3-none-any.whl; do [ -f "$w" ] && cp --update=none "$w" /tmp/res/code/; done
 [ -e resources ] || ln -s /tmp/res resources
-(cd /tmp/res && sha256sum smollm2/* sharegpt/* humaneval/* 2>/dev/null)
+(cd /tmp/res && sha256sum smollm2/* sharegpt/* humaneval/* code/* 2>/dev/null)
 true

