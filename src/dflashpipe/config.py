@@ -20,6 +20,8 @@ from dflashpipe.errors import ConfigError
 
 SCHEMA_FILE = "config.schema.yaml"
 FILE_KINDS = ("sharegpt", "jsonl", "parquet", "humaneval", "python")
+# Kinds whose prompt is code, wrapped in the source's `template` (a "complete this function" ask).
+TEMPLATE_KINDS = ("humaneval", "python")
 
 
 def load_schema() -> dict:
@@ -130,11 +132,7 @@ class SourceConfig:
             raise ConfigError(f"prompts.sources '{self.name}': kind {self.kind} needs `path`")
         if self.kind == "hf" and not self.dataset:
             raise ConfigError(f"prompts.sources '{self.name}': kind hf needs `dataset`")
-        if (
-            self.kind in ("humaneval", "python")
-            and self.template
-            and "{prompt}" not in self.template
-        ):
+        if self.kind in TEMPLATE_KINDS and self.template and "{prompt}" not in self.template:
             raise ConfigError(f"prompts.sources '{self.name}': template must contain {{prompt}}")
         if self.eval_count and self.split != "both":
             raise ConfigError(

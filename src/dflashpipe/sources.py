@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dflashpipe.config import FieldMap, SourceConfig
+from dflashpipe.config import TEMPLATE_KINDS, FieldMap, SourceConfig
 from dflashpipe.errors import DataError
 
 # Column names per kind when the source's `fields` leaves them unset.
@@ -30,8 +30,6 @@ KIND_FIELDS = {
     "humaneval": FieldMap(id="task_id", prompt="prompt", response="canonical_solution"),
     "python": FieldMap(id="task_id", prompt="prompt", response="canonical_solution"),
 }
-# Kinds whose prompt is code, wrapped in the source's `template` (a "complete this function" ask).
-TEMPLATE_KINDS = ("humaneval", "python")
 EXAMPLES_PER_REASON = 3
 
 
@@ -247,13 +245,13 @@ def _python_records(path: Path, drops: DropLog) -> Iterator[tuple[str, object]]:
         if _is_test_module(name):
             drops.drop("test_module", where)
             continue
-        try:
-            text = raw.decode("utf-8")
+        try:  # ast numbers lines by \n, \r\n and \r only (str.splitlines also splits at \f)
+            text = raw.decode("utf-8").replace("\r\n", "\n").replace("\r", "\n")
             tree = ast.parse(text, filename=name)
         except (UnicodeDecodeError, SyntaxError, ValueError) as e:
             drops.drop("unparsable", where, type(e).__name__)
             continue
-        lines = text.splitlines(keepends=True)
+        lines = text.split("\n")
         for qualname, node in _functions(tree):
             origin = f"{where}:{node.lineno}"
             body = node.body
@@ -264,10 +262,10 @@ def _python_records(path: Path, drops: DropLog) -> Iterator[tuple[str, object]]:
             elif len(body) < 2:
                 drops.drop("no_body", origin, qualname)
             else:
-                head = textwrap.dedent("".join(lines[node.lineno - 1 : body[0].end_lineno]))
-                whole = textwrap.dedent("".join(lines[node.lineno - 1 : node.end_lineno]))
-                yield origin, {"task_id": f"{name}:{qualname}", "prompt": head,
-                               "canonical_solution": whole}  # fmt: skip
+                head = textwrap.dedent("\n".join(lines[node.lineno - 1 : body[0].end_lineno]))
+                whole = textwrap.dedent("\n".join(lines[node.lineno - 1 : node.end_lineno]))
+                yield origin, {"task_id": f"{name}:{qualname}", "prompt": head + "\n",
+                               "canonical_solution": whole + "\n"}  # fmt: skip
 
 
 def _functions(parent: ast.AST, prefix: str = "") -> Iterator[tuple[str, ast.AST]]:
