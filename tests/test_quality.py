@@ -21,6 +21,12 @@ TINY = {
 }  # fmt: skip
 
 
+def extra_samples(work):
+    """How many samples a run's training took from train.extra_features (its train log)."""
+    log = (work / "results" / "logs" / "train.log").read_text()
+    return int(log.split("samples (")[1].split(" of them from train.extra_features")[0])
+
+
 @pytest.mark.slow
 def test_quality_driver_main_and_variants(tmp_path, smollm2_dir):
     tiny = write_yaml(tmp_path / "tiny.yaml", TINY)
@@ -43,8 +49,7 @@ def test_quality_driver_main_and_variants(tmp_path, smollm2_dir):
     rows = {r["variant"]: r for r in json.loads((tmp_path / "rows.json").read_text())}
     assert set(rows) == {"main", "bf16", "dataset-answers", "mixed", "code"}
     # mixed trains on main's features plus the dataset-answers run's (train.extra_features)
-    log = (runs / "quality-mixed" / "results" / "logs" / "train.log").read_text()
-    extra = int(log.split("samples (")[1].split(" of them from train.extra_features")[0])
+    extra = extra_samples(runs / "quality-mixed")
     answers = json.loads(
         (runs / "quality-dataset-answers" / "results" / "features" / "manifest.json").read_text()
     )
@@ -55,8 +60,7 @@ def test_quality_driver_main_and_variants(tmp_path, smollm2_dir):
     assert {n for n, s in sources.items() if s["kind"] == "python" and s["train"] > 0} == {
         "sympy", "networkx", "pydash", "boltons", "more-itertools"}  # fmt: skip
     assert (code / "features" / "manifest.json").is_file() and not (code / "drafter").exists()
-    log = (runs / "quality-code" / "results" / "logs" / "train.log").read_text()
-    extra = int(log.split("samples (")[1].split(" of them from train.extra_features")[0])
+    extra = extra_samples(runs / "quality-code")
     code_samples = json.loads((code / "features" / "manifest.json").read_text())["totals"]
     assert extra == code_samples["samples"] > 0
     for r in rows.values():

@@ -216,3 +216,16 @@ def test_python_source_names_a_bad_archive(tmp_path):
         _read(src)
     with pytest.raises(DataError, match="not found"):
         _read(SourceConfig(name="code", kind="python", path=str(tmp_path / "nope.whl")))
+
+
+def test_python_source_reads_one_file(tmp_path):
+    path = tmp_path / "core.py"
+    path.write_text(MODULE)
+    convs, drops = _read(SourceConfig(name="code", kind="python", path=str(path)))
+    assert [c.conversation_id for c in convs] == [
+        "core.py:add",
+        "core.py:Box.size",
+        "core.py:Box.fill",
+    ]
+    assert convs[0].origin == f"{path}:6"
+    assert f"{path}:16: no_docstring (undocumented)" in drops.examples

@@ -210,22 +210,23 @@ def _parquet_records(path: Path) -> Iterator[tuple[str, object]]:
             row += 1
 
 
-def _python_files(path: Path) -> Iterator[tuple[str, bytes]]:
-    """(name, bytes) of every .py file in a wheel or zip, under a directory, or the file itself."""
+def _python_files(path: Path) -> Iterator[tuple[str, str, bytes]]:
+    """(name, where, bytes) of every .py file in a wheel or zip, under a directory, or the file
+    itself: `name` is its path inside the source, `where` names it in drops and origins."""
     if not path.exists():
         raise DataError(f"prompt source file not found: {path}")
     if path.is_dir():
         for f in sorted(path.rglob("*.py")):
-            yield f.relative_to(path).as_posix(), f.read_bytes()
+            yield f.relative_to(path).as_posix(), str(f), f.read_bytes()
     elif path.suffix in (".whl", ".zip"):
         try:
             with zipfile.ZipFile(path) as zf:
                 for name in sorted(n for n in zf.namelist() if n.endswith(".py")):
-                    yield name, zf.read(name)
+                    yield name, f"{path}!{name}", zf.read(name)
         except zipfile.BadZipFile as e:
             raise DataError(f"{path}: not a readable wheel or zip ({e})") from None
     else:
-        yield path.name, path.read_bytes()
+        yield path.name, str(path), path.read_bytes()
 
 
 def _is_test_module(name: str) -> bool:
@@ -240,8 +241,7 @@ def _python_records(path: Path, drops: DropLog) -> Iterator[tuple[str, object]]:
     with its signature and docstring as the prompt and the whole function as the dataset's
     answer. Test modules, private names, undocumented functions and functions that are only a
     docstring are counted as drops."""
-    for name, raw in _python_files(path):
-        where = f"{path}!{name}" if path.is_file() and name != path.name else str(path / name)
+    for name, where, raw in _python_files(path):
         if _is_test_module(name):
             drops.drop("test_module", where)
             continue
