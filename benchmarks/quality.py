@@ -155,6 +155,7 @@ def row(work: Path) -> dict | None:
         "variant": work.name.removeprefix("quality-"),
         "tau": ev["per_source"],
         "lookup_tau": lookup.get("per_source", {}),
+        "ahead": lookup.get("dflash_ahead", {}),  # per source: prompts where the drafter leads
         "tau_all": ev.get("acceptance_length"),
         "lookup_all": lookup.get("acceptance_length"),
         "lossless": ev.get("lossless_fraction"),
@@ -173,16 +174,21 @@ def row(work: Path) -> dict | None:
 def table(rows: list[dict]) -> str:
     sources = sorted({s for r in rows for s in r["tau"]})
     head = ["variant", *(f"tau {s}" for s in sources), *(f"lookup {s}" for s in sources),
-            "tau all", "lookup all", "lossless", "bf16 agree", "speedup", "lookup speedup",
+            *(f"ahead of lookup {s}" for s in sources), "tau all", "lookup all", "lossless", "bf16 agree", "speedup", "lookup speedup",
             "expected tau", "held-out expected tau", "steps", "codec", "bytes/token"]  # fmt: skip
 
     def f(x, spec=".3f"):
         return "-" if x is None else format(x, spec) if isinstance(x, float) else str(x)
 
+    def ahead(r, source):  # "ahead/prompts"; runs evaluated before the count existed show "-"
+        c = r.get("ahead", {}).get(source)
+        return f"{c['ahead']}/{sum(c.values())}" if c else "-"
+
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         cells = [r["variant"], *(f(r["tau"].get(s)) for s in sources),
-                 *(f(r["lookup_tau"].get(s)) for s in sources), f(r["tau_all"]),
+                 *(f(r["lookup_tau"].get(s)) for s in sources),
+                 *(ahead(r, s) for s in sources), f(r["tau_all"]),
                  f(r["lookup_all"]), f(r["lossless"]), f(r["bf16_agreement"], ".2f"),
                  f(r["speedup"], ".2f"), f(r["lookup_speedup"], ".2f"), f(r["expected_tau"]),
                  f(r.get("held_out_expected_tau")), f(r["steps"]), f(r["codec"]),

@@ -8,10 +8,17 @@ from transformers import AutoConfig
 
 from dflashpipe.config import TargetConfig
 from dflashpipe.errors import ConfigError, DataError
-from dflashpipe.evaluate import EvaluateConfig, check_fit, read_eval_prompts, run
+from dflashpipe.evaluate import (
+    EvaluateConfig,
+    ahead_per_source,
+    check_fit,
+    read_eval_prompts,
+    run,
+)
 from dflashpipe.export import save_drafter
 from dflashpipe.model import Drafter, DrafterConfig
 from dflashpipe.prompts import Prompt, prompt_key, write_prompts
+from dflashpipe.speculative import Decoded
 
 BLOCK = 4
 
@@ -80,6 +87,29 @@ def test_metrics_json(tiny_target_dir, target_config, eval_table, tmp_path):
     assert len(lookup["per_position_acceptance"]) == 3
     assert lookup["identical_to_target_fraction"] == 1.0
     assert [r["lossless"] for r in metrics["responses"]] == [True] * 3
+    # per prompt, paired: the lookup taus average to its per-source figures, and every prompt
+    # with both taus is counted once as ahead, tied or behind, by its own two taus
+    for source, tau in lookup["per_source"].items():
+        rows = [r for r in metrics["responses"] if r["source"] == source]
+        taus = [r["prompt_lookup_acceptance_length"] for r in rows]
+        assert sum(taus) / len(taus) == pytest.approx(tau)
+        d = [r["acceptance_length"] - r["prompt_lookup_acceptance_length"] for r in rows]
+        want = {"ahead": sum(x > 0 for x in d), "tied": sum(x == 0 for x in d),
+                "behind": sum(x < 0 for x in d)}  # fmt: skip
+        assert lookup["dflash_ahead"][source] == want
+
+
+def test_ahead_counts_pair_prompts_and_skip_those_without_a_verify_step():
+    def dec(*accepted):  # one response whose verify steps accepted these lengths
+        return Decoded([1] * sum(accepted), "length", 0.0, 0.0, list(accepted), [3] * len(accepted))
+
+    rows = [({"source": s}, []) for s in ("a", "a", "a", "b", "b")]
+    ours = [dec(3, 1), dec(1), dec(2), dec(2, 2), dec()]
+    theirs = [dec(1, 1), dec(1), dec(4), dec(1), dec(3)]
+    assert ahead_per_source(rows, ours, theirs) == {
+        "a": {"ahead": 1, "tied": 1, "behind": 1},
+        "b": {"ahead": 1, "tied": 0, "behind": 0},  # the last prompt: no tau of ours
+    }
 
 
 def test_bf16_run_reports_agreement_and_checks_losslessness_in_float32(

@@ -234,6 +234,19 @@ def tau_per_source(prompts: list[tuple[dict, list[int]]], results: list[Decoded]
     return {s: _mean(v) for s, v in sorted(by_source.items())}
 
 
+def ahead_per_source(
+    prompts: list[tuple[dict, list[int]]], ours: list[Decoded], theirs: list[Decoded]
+) -> dict:
+    """Per eval source, on how many prompts (of those where both methods verified a draft) our
+    acceptance length is above, equal to and below theirs: a paired view the means hide."""
+    counts: dict[str, dict[str, int]] = defaultdict(lambda: {"ahead": 0, "tied": 0, "behind": 0})
+    for (row, _), a, b in zip(prompts, ours, theirs, strict=True):
+        if a.acceptance_length is not None and b.acceptance_length is not None:
+            d = a.acceptance_length - b.acceptance_length
+            counts[row["source"]]["ahead" if d > 0 else "behind" if d < 0 else "tied"] += 1
+    return dict(sorted(counts.items()))
+
+
 def summarize(
     prompts: list[tuple[dict, list[int]]],
     main: dict[str, list[Decoded]],
@@ -258,9 +271,10 @@ def summarize(
             "new_tokens": len(r.output_ids),
             "finish_reason": r.finish_reason,
             "acceptance_length": r.acceptance_length,
+            "prompt_lookup_acceptance_length": p.acceptance_length,
             "lossless": ok,
         }
-        for (row, ids), r, ok in zip(prompts, dflash, same, strict=True)
+        for (row, ids), r, p, ok in zip(prompts, dflash, main["prompt_lookup"], same, strict=True)
     ]
     return {
         "acceptance_length": spec["acceptance_length"],
@@ -289,6 +303,7 @@ def summarize(
                 "speedup": lookup["decode_tokens_per_s"] / base_speed if base_speed else None,
                 "per_position_acceptance": lookup["per_position_acceptance"],
                 "identical_to_target_fraction": _mean(_identical(target, main["prompt_lookup"])),
+                "dflash_ahead": ahead_per_source(prompts, dflash, main["prompt_lookup"]),
             }
         },
         "responses": responses,
