@@ -63,6 +63,10 @@ def test_quality_driver_main_and_variants(tmp_path, smollm2_dir):
     extra = extra_samples(runs / "quality-code")
     code_samples = json.loads((code / "features" / "manifest.json").read_text())["totals"]
     assert extra == code_samples["samples"] > 0
+    report = (runs / "quality-code" / "results" / "report.md").read_text()
+    assert (
+        "- train.extra_features ../quality-code-answers/results/features/manifest.json: " in report
+    )
     for r in rows.values():
         assert r["lossless"] == 1.0 and set(r["tau"]) == {"sharegpt", "humaneval"}
         assert set(r["lookup_tau"]) == {"sharegpt", "humaneval"} and r["bytes_per_token"] > 0

@@ -60,3 +60,23 @@ def test_held_out_measurements_are_plotted_and_summarized(tmp_path):
     md = (tmp_path / "report.md").read_text()
     assert "on held-out samples (step 3): loss 4.5000, expected acceptance length 1.220" in md
     assert mpimg.imread(tmp_path / "report" / "acceptance.png").shape[0] > 100
+
+
+def test_paired_counts_and_extra_features_are_summarized(tmp_path):
+    paths = _inputs(tmp_path)
+    ev = json.loads((tmp_path / "eval.json").read_text())
+    ev["baseline"]["prompt_lookup"].update(
+        per_source={"sharegpt": 2.0, "humaneval": 2.5},
+        dflash_ahead={"humaneval": {"ahead": 3, "tied": 0, "behind": 1}},
+    )
+    (tmp_path / "eval.json").write_text(json.dumps(ev))
+    extra = {"totals": {"samples": 7, "tokens": 300, "bytes": 5e5}, "codec": "fp8-zstd"}
+    (tmp_path / "code.json").write_text(json.dumps(extra))
+    run(*paths, str(tmp_path / "r"), str(tmp_path / "r.md"), [str(tmp_path / "code.json")])
+    md = (tmp_path / "r.md").read_text()
+    assert "| humaneval | 2.750 | 2.500 | 3 of 4 |" in md
+    assert "| sharegpt | 2.250 | 2.000 | - |" in md  # no paired count for this source
+    assert "- features: 10 samples, 500 tokens, 1.0 MB (bf16-zstd), layers [1, 2] of tiny" in md
+    assert f"- train.extra_features {tmp_path / 'code.json'}: 7 samples, 300 tokens, 0.5 MB" in md
+    with pytest.raises(DataError, match="not found"):
+        run(*paths, str(tmp_path / "r"), str(tmp_path / "r.md"), [str(tmp_path / "gone.json")])

@@ -114,6 +114,7 @@ def cmd_report(args: argparse.Namespace) -> None:
         args.manifest,
         args.plots,
         args.out,
+        args.extra_manifest,
     )
 
 
@@ -189,6 +190,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-metrics", required=True, help="results/eval/metrics.json")
     p.add_argument("--prompt-stats", required=True, help="results/prompts/stats.json")
     p.add_argument("--manifest", required=True, help="results/features/manifest.json")
+    p.add_argument("--extra-manifest", nargs="*", default=[],
+                   help="the manifests of train.extra_features, listed beside the run's own")  # fmt: skip
     p.add_argument("--plots", required=True, help="folder for the PNG plots")
     p.add_argument("--out", required=True, help="output report.md")
 

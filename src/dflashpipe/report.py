@@ -98,21 +98,37 @@ def _held_out(rows: list[dict]) -> str:
             f"acceptance length {r['val_expected_acceptance']:.3f}")  # fmt: skip
 
 
-def summary(rows: list[dict], evaluation: dict, prompts: dict, manifest: dict, img: str) -> str:
-    """The Markdown summary; `img` is the plot folder relative to the Markdown file."""
+def _ahead(counts: dict | None) -> str:
+    """'k of n' prompts where the drafter's tau is above prompt lookup's (metrics before the
+    paired count existed: '-')."""
+    return f"{counts['ahead']} of {sum(counts.values())}" if counts else "-"
+
+
+def _features(manifest: dict) -> str:
+    totals = manifest["totals"]
+    return (f"{totals['samples']} samples, {totals['tokens']} tokens, {totals['bytes'] / 1e6:.1f} "
+            f"MB ({manifest['codec']})")  # fmt: skip
+
+
+def summary(rows: list[dict], evaluation: dict, prompts: dict, manifest: dict, img: str,
+            extra: dict[str, dict] | None = None) -> str:  # fmt: skip
+    """The Markdown summary; `img` is the plot folder relative to the Markdown file, `extra` the
+    manifests of train.extra_features by path."""
     tps = evaluation["tokens_per_s"]
     lookup = evaluation["baseline"]["prompt_lookup"]
-    lookup_tau = lookup.get("per_source", {})
+    lookup_tau, ahead = lookup.get("per_source", {}), lookup.get("dflash_ahead", {})
     per_source = "\n".join(
-        f"| {s} | {t:.3f} | {_fmt(lookup_tau.get(s))} |"
+        f"| {s} | {t:.3f} | {_fmt(lookup_tau.get(s))} | {_ahead(ahead.get(s))} |"
         for s, t in sorted(evaluation["per_source"].items())
     )
-    totals = manifest["totals"]
+    added = "".join(
+        f"\n- train.extra_features {p}: {_features(m)}" for p, m in (extra or {}).items()
+    )
     return f"""# dflashpipe report
 
 ## Data
 - prompts: {prompts["totals"]["train"]} train, {prompts["totals"]["eval"]} eval; dropped {prompts["totals"]["dropped"]}
-- features: {totals["samples"]} samples, {totals["tokens"]} tokens, {totals["bytes"] / 1e6:.1f} MB ({manifest["codec"]}), layers {manifest["layer_ids"]} of {manifest["target"]["name"]}
+- features: {_features(manifest)}, layers {manifest["layer_ids"]} of {manifest["target"]["name"]}{added}
 
 ## Training
 - {rows[-1]["step"]} optimizer steps; final loss {rows[-1]["loss"]:.4f}; expected acceptance length {rows[-1]["expected_acceptance"]:.3f}{_held_out(rows)}
@@ -121,8 +137,8 @@ def summary(rows: list[dict], evaluation: dict, prompts: dict, manifest: dict, i
 ![acceptance]({img}/acceptance.png)
 
 ## Evaluation ({evaluation["num_prompts"]} prompts, {evaluation.get("run_dtype", "")}, {evaluation.get("device", "")})
-| source | tau | prompt lookup tau |
-|---|---|---|
+| source | tau | prompt lookup tau | prompts where the drafter is ahead |
+|---|---|---|---|
 {per_source}
 
 - acceptance length tau: **{evaluation["acceptance_length"]:.3f}** (prompt lookup: {lookup["acceptance_length"]:.3f})
@@ -140,8 +156,9 @@ def summary(rows: list[dict], evaluation: dict, prompts: dict, manifest: dict, i
 
 
 def run(train_metrics: str, eval_metrics: str, prompt_stats: str, manifest: str, plots: str,
-        markdown: str) -> None:  # fmt: skip
-    """Write loss.png, acceptance.png, histogram.png into `plots` and the summary to `markdown`."""
+        markdown: str, extra_manifests: list[str] = ()) -> None:  # fmt: skip
+    """Write loss.png, acceptance.png, histogram.png into `plots` and the summary to `markdown`
+    (the features of `extra_manifests`, train.extra_features, listed beside the run's own)."""
     out, md = Path(plots), Path(markdown)
     rows = read_training(Path(train_metrics))
     evaluation = _read_json(Path(eval_metrics))
@@ -149,8 +166,9 @@ def run(train_metrics: str, eval_metrics: str, prompt_stats: str, manifest: str,
     plot_acceptance(rows, evaluation, out / "acceptance.png")
     plot_histogram(evaluation, out / "histogram.png")
     img = os.path.relpath(out, md.parent)
+    extra = {p: _read_json(Path(p)) for p in extra_manifests}
     text = summary(
-        rows, evaluation, _read_json(Path(prompt_stats)), _read_json(Path(manifest)), img
+        rows, evaluation, _read_json(Path(prompt_stats)), _read_json(Path(manifest)), img, extra
     )
     with atomic_path(md) as tmp:
         tmp.write_text(text, encoding="utf-8")

@@ -7,6 +7,7 @@ rule report:
         eval=rules.evaluate.output.metrics,
         prompts=rules.prompts.output.stats,
         manifest=rules.extract_manifest.output[0],
+        extra=CFG.section("train")["extra_features"],
     output:
         loss=report(f"{RESULTS}/report/loss.png", category="Training"),
         acceptance=report(f"{RESULTS}/report/acceptance.png", category="Training"),
@@ -24,4 +25,4 @@ rule report:
     shell:
         "{params.cli} report --config {params.config} --train-metrics {input.train}"
         " --eval-metrics {input.eval} --prompt-stats {input.prompts} --manifest {input.manifest}"
-        " --plots {params.plots} --out {output.summary} > {log} 2>&1"
+        " --extra-manifest {input.extra} --plots {params.plots} --out {output.summary} > {log} 2>&1"
