@@ -57,6 +57,25 @@ def reused(path: Path | None) -> list[str]:
     return header(path, "reuse")
 
 
+def check_order(runs: Path, variants: list[str]) -> None:
+    """Exit before anything runs where a variant reads another run's files (its overlay's
+    `# wait:` line, relative to its work directory) that neither exist nor come from a variant
+    listed before it."""
+    earlier: set[str] = set()
+    for v in variants:
+        for rel in header(overlay(v), "wait"):
+            path = Path(os.path.normpath(runs / f"quality-{v}" / rel))
+            if path.exists():
+                continue
+            if not path.is_relative_to(runs):
+                sys.exit(f"variant {v} reads {path}, which does not exist")
+            producer = path.relative_to(runs).parts[0].removeprefix("quality-")
+            if producer not in earlier:
+                sys.exit(f"variant {v} reads {path}, which does not exist: list {producer} "
+                         f"before it (e.g. quality.py main {producer} {v})")  # fmt: skip
+        earlier.add(v)
+
+
 def target_of(variant: str, asked: str) -> str:
     """The Snakemake target: `--target`, or where it is left at `all`, the overlay's own
     `# target:` line (a run made only for its features stops at `extract`)."""
@@ -219,6 +238,7 @@ def main() -> None:
     if not args.table:
         for v in args.variants:
             overlay(v)  # unknown names fail before anything runs
+        check_order(Path(args.runs).resolve(), args.variants)
         for v in args.variants:
             if time.monotonic() >= deadline:
                 print(f"[{v}] not started: time limit reached", flush=True)

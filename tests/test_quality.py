@@ -2,6 +2,7 @@
 (configs/smollm2-sharegpt.yaml, real SmolLM2 target) runs end to end, a variant reuses the main
 run's finished stages instead of redoing them, and the summary table reports both."""
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -25,6 +26,14 @@ def extra_samples(work):
     """How many samples a run's training took from train.extra_features (its train log)."""
     log = (work / "results" / "logs" / "train.log").read_text()
     return int(log.split("samples (")[1].split(" of them from train.extra_features")[0])
+
+
+def _load_quality():
+    """benchmarks/quality.py as a module (it is a script, not part of the package)."""
+    spec = importlib.util.spec_from_file_location("quality", REPO / "benchmarks" / "quality.py")
+    quality = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(quality)
+    return quality
 
 
 @pytest.mark.slow
@@ -85,11 +94,7 @@ def test_quality_driver_main_and_variants(tmp_path, smollm2_dir):
 
 def test_a_run_trained_but_not_evaluated_has_a_row_of_training_figures(tmp_path):
     """`--target train` (or a run cut short): the table shows its held-out expected tau."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("quality", REPO / "benchmarks" / "quality.py")
-    quality = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(quality)
+    quality = _load_quality()
     work = tmp_path / "quality-block8"
     assert quality.row(work) is None  # nothing trained yet
     (work / "results" / "drafter").mkdir(parents=True)
@@ -103,3 +108,19 @@ def test_a_run_trained_but_not_evaluated_has_a_row_of_training_figures(tmp_path)
     assert (r["expected_tau"], r["held_out_expected_tau"], r["steps"]) == (2.4, 1.94, 9)
     line = quality.table([r]).splitlines()[-1]
     assert line.startswith("| block8 | - |") and "| 1.940 | 9 |" in line
+
+
+def test_a_variant_listed_before_the_run_it_reads_fails_before_anything_runs(tmp_path):
+    """`code` trains on code-answers' features (its `# wait:` line): listing it first, or alone
+    with no such run, stops at once with the order to use; listed after it, the check passes."""
+    quality = _load_quality()
+    runs = tmp_path / "runs"
+    for variants in (["main", "code", "code-answers"], ["code"]):
+        with pytest.raises(SystemExit, match="list code-answers before it"):
+            quality.check_order(runs, variants)
+    assert not runs.exists()  # nothing was prepared
+    quality.check_order(runs, ["main", "code-answers", "code"])
+    made = runs / "quality-code-answers" / "results" / "features" / "manifest.json"
+    made.parent.mkdir(parents=True)
+    made.write_text("{}")
+    quality.check_order(runs, ["code"])  # the run it reads exists already
