@@ -257,9 +257,9 @@ def summarize(
 ) -> dict:
     """metrics.json's figures: main holds the timed run-dtype responses per method, lossless
     the float32 (target-only, speculative) pair."""
-    target, dflash = main["target"], main["dflash"]
+    target, dflash, looked_up = main["target"], main["dflash"], main["prompt_lookup"]
     spec, base = method_summary(dflash, block - 1), method_summary(target, block - 1)
-    lookup = method_summary(main["prompt_lookup"], lookup_tokens)
+    lookup = method_summary(looked_up, lookup_tokens)
     base_speed = base["decode_tokens_per_s"]
     histogram = Counter(a for r in dflash for a in r.accepted_lengths)
     same = _identical(*lossless)
@@ -274,7 +274,7 @@ def summarize(
             "prompt_lookup_acceptance_length": p.acceptance_length,
             "lossless": ok,
         }
-        for (row, ids), r, p, ok in zip(prompts, dflash, main["prompt_lookup"], same, strict=True)
+        for (row, ids), r, p, ok in zip(prompts, dflash, looked_up, same, strict=True)
     ]
     return {
         "acceptance_length": spec["acceptance_length"],
@@ -298,12 +298,12 @@ def summarize(
                 "through the same verify loop and harness as the drafter",
                 "num_tokens": lookup_tokens,
                 "acceptance_length": lookup["acceptance_length"],
-                "per_source": tau_per_source(prompts, main["prompt_lookup"]),
+                "per_source": tau_per_source(prompts, looked_up),
                 "tokens_per_s": lookup["decode_tokens_per_s"],
                 "speedup": lookup["decode_tokens_per_s"] / base_speed if base_speed else None,
                 "per_position_acceptance": lookup["per_position_acceptance"],
-                "identical_to_target_fraction": _mean(_identical(target, main["prompt_lookup"])),
-                "dflash_ahead": ahead_per_source(prompts, dflash, main["prompt_lookup"]),
+                "identical_to_target_fraction": _mean(_identical(target, looked_up)),
+                "dflash_ahead": ahead_per_source(prompts, dflash, looked_up),
             }
         },
         "responses": responses,
