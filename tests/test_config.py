@@ -137,3 +137,16 @@ def test_digest_tracks_section(tmp_path):
     b = Config.from_dict(base_config(tmp_path, seed=1))
     assert a.digest("prompts") != b.digest("prompts")
     assert a.digest("train") == b.digest("train")
+
+
+def test_evaluate_tree_settings_checked(tmp_path):
+    raw = base_config(tmp_path)
+    raw["evaluate"] = {"tree_nodes": [16, 0]}
+    assert "evaluate.tree_nodes[1]: 0 is less than the minimum of 1" in _error(raw)
+    raw["evaluate"] = {"methods": ["target", "dflash", "medusa"], "engine": "vllm"}
+    msg = _error(raw)
+    assert "evaluate.methods[2]: 'medusa' is not one of" in msg and "evaluate.engine" in msg
+    raw["evaluate"] = {"tree_nodes": []}
+    assert "evaluate.tree_nodes: [] should be non-empty" in _error(raw)
+    evaluate = Config.from_dict(base_config(tmp_path)).raw["evaluate"]
+    assert evaluate["tree_nodes"] == [16, 32, 64, 128] and "ddtree" in evaluate["methods"]

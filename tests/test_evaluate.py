@@ -8,14 +8,9 @@ from transformers import AutoConfig
 
 from dflashpipe.config import TargetConfig
 from dflashpipe.errors import ConfigError, DataError
-from dflashpipe.evaluate import (
-    EvaluateConfig,
-    ahead_per_source,
-    check_fit,
-    read_eval_prompts,
-    run,
-)
+from dflashpipe.evaluate import EvaluateConfig, check_fit, read_eval_prompts, run
 from dflashpipe.export import save_drafter
+from dflashpipe.figures import ahead_per_source
 from dflashpipe.model import Drafter, DrafterConfig
 from dflashpipe.prompts import Prompt, prompt_key, write_prompts
 from dflashpipe.speculative import Decoded
@@ -57,7 +52,9 @@ def eval_table(tmp_path):
 def test_metrics_json(tiny_target_dir, target_config, eval_table, tmp_path):
     drafter_dir = _export(target_config, tmp_path / "drafter")
     out = tmp_path / "eval" / "metrics.json"
-    ev = EvaluateConfig(num_prompts=10, max_new_tokens=10, prompt_lookup_num_tokens=3)
+    ev = EvaluateConfig(
+        num_prompts=10, max_new_tokens=10, prompt_lookup_num_tokens=3, tree_nodes=[2, 8]
+    )
     metrics = run(TargetConfig(model=str(tiny_target_dir)), drafter_dir, eval_table, out, ev, "cpu")
     assert json.loads(out.read_text()) == json.loads(json.dumps(metrics))
     for key in (
@@ -97,6 +94,24 @@ def test_metrics_json(tiny_target_dir, target_config, eval_table, tmp_path):
         want = {"ahead": sum(x > 0 for x in d), "tied": sum(x == 0 for x in d),
                 "behind": sum(x < 0 for x in d)}  # fmt: skip
         assert lookup["dflash_ahead"][source] == want
+    # the static engine for all but prompt lookup, each speedup against its own engine's
+    # target-only; DDTree per budget, lossless in float32 like DFlash
+    assert metrics["engine"] == {"kind": "static", "graphs": False}
+    methods = metrics["methods"]
+    assert set(methods) == {"target", "dflash", "prompt_lookup", "target_eager"}
+    assert methods["dflash"]["acceptance_length"] == metrics["acceptance_length"]
+    assert methods["dflash"]["lossless_fraction"] == 1.0
+    assert (methods["dflash"]["engine"], methods["prompt_lookup"]["engine"]) == ("static", "eager")
+    assert (
+        methods["prompt_lookup"]["speedup_against"] == lookup["speedup_against"] == "target_eager"
+    )
+    assert set(metrics["ddtree"]) == {"2", "8"}
+    for n, tree in metrics["ddtree"].items():
+        assert tree["lossless_fraction"] == 1.0 and tree["first_divergence"] is None, n
+        assert 1.0 <= tree["acceptance_length"] <= min(int(n), BLOCK - 1) + 1
+        assert tree["speedup"] > 0 and tree["nodes_per_step"] <= int(n)
+        assert set(tree["per_source"]) == {"sharegpt", "humaneval"}
+    assert all(set(r["ddtree_acceptance_length"]) == {"2", "8"} for r in metrics["responses"])
 
 
 def test_ahead_counts_pair_prompts_and_skip_those_without_a_verify_step():
@@ -112,17 +127,30 @@ def test_ahead_counts_pair_prompts_and_skip_those_without_a_verify_step():
     }
 
 
+@pytest.mark.parametrize("engine", ["auto", "eager"])
 def test_bf16_run_reports_agreement_and_checks_losslessness_in_float32(
-    tiny_target_dir, target_config, eval_table, tmp_path
+    tiny_target_dir, target_config, eval_table, tmp_path, engine
 ):
-    """The GPU path (bf16 run, then float32 for the lossless check), here on the CPU."""
+    """The GPU path (bf16 run, then float32 for the lossless check), here on the CPU; the eager
+    loop has no tree decoding, so ddtree is left out there (and said so in `engine`)."""
     drafter_dir = _export(target_config, tmp_path / "drafter")
     target = TargetConfig(model=str(tiny_target_dir), dtype="bfloat16")
-    ev = EvaluateConfig(num_prompts=1, max_new_tokens=6)
+    ev = EvaluateConfig(num_prompts=1, max_new_tokens=6, tree_nodes=[4], engine=engine)
     metrics = run(target, drafter_dir, eval_table, tmp_path / "m.json", ev, "cpu")
     assert metrics["run_dtype"] == "bfloat16"
     assert 0.0 <= metrics["bf16_agreement"] <= 1.0
     assert metrics["lossless_fraction"] == 1.0
+    if engine == "auto":
+        assert metrics["engine"]["kind"] == "static"
+        assert metrics["ddtree"]["4"]["lossless_fraction"] == 1.0
+    else:
+        assert metrics["engine"] == {
+            "kind": "eager",
+            "graphs": False,
+            "reason": "evaluate.engine: eager",
+        }
+        assert metrics["ddtree"] == {} and "target_eager" not in metrics["methods"]
+        assert metrics["baseline"]["prompt_lookup"]["speedup_against"] == "target"
 
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -137,7 +165,8 @@ def test_worker_processes_give_the_same_responses(
     target = TargetConfig(model=str(tiny_target_dir))
     one, two = (
         run(target, drafter_dir, eval_table, tmp_path / f"{w}.json",
-            EvaluateConfig(num_prompts=10, max_new_tokens=10, workers=w), device)
+            EvaluateConfig(num_prompts=10, max_new_tokens=10, workers=w, tree_nodes=[4]),
+            device)
         for w in (1, 2)
     )  # fmt: skip
     assert [r["prompt_id"] for r in two["responses"]] == [r["prompt_id"] for r in one["responses"]]
@@ -152,6 +181,8 @@ def test_worker_processes_give_the_same_responses(
         assert two[key] == one[key], key
     lookup = [m["baseline"]["prompt_lookup"] for m in (one, two)]
     assert lookup[0]["per_source"] == lookup[1]["per_source"]
+    assert two["ddtree"]["4"]["per_source"] == one["ddtree"]["4"]["per_source"]
+    assert two["engine"] == one["engine"]
 
 
 @pytest.mark.parametrize(
@@ -224,3 +255,25 @@ def test_only_too_long_prompts_is_an_error(tiny_target_dir, target_config, tmp_p
 def test_settings_are_validated():
     with pytest.raises(ConfigError, match="max_new_tokens"):
         EvaluateConfig(max_new_tokens=0)
+    with pytest.raises(
+        ConfigError, match=r"evaluate.tree_nodes must list budgets >= 1, got \[16, 0\]"
+    ):
+        EvaluateConfig(tree_nodes=[16, 0])
+    with pytest.raises(ConfigError, match="evaluate.methods: unknown \\['medusa'\\]"):
+        EvaluateConfig(methods=["target", "dflash", "medusa"])
+    with pytest.raises(ConfigError, match="evaluate.methods lacks \\['dflash'\\]"):
+        EvaluateConfig(methods=["target", "ddtree"])
+    with pytest.raises(ConfigError, match="evaluate.engine"):
+        EvaluateConfig(engine="vllm")
+    with pytest.raises(ConfigError, match="evaluate.tree_top_k"):
+        EvaluateConfig(tree_top_k=0)
+
+
+def test_a_tree_budget_beyond_the_context_is_refused(
+    tiny_target_dir, target_config, eval_table, tmp_path
+):
+    drafter_dir = _export(target_config, tmp_path / "drafter")
+    ev = EvaluateConfig(num_prompts=1, max_new_tokens=8, tree_nodes=[16, 2040])
+    with pytest.raises(ConfigError, match="evaluate.tree_nodes 2040 .* context of 2048"):
+        run(TargetConfig(model=str(tiny_target_dir)), drafter_dir, eval_table,
+            tmp_path / "m.json", ev, "cpu")  # fmt: skip

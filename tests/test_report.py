@@ -40,6 +40,8 @@ def test_plots_open_and_summary_has_the_numbers(tmp_path):
     md = (tmp_path / "results" / "report.md").read_text()
     assert "**2.500**" in md and "| humaneval | 2.750 |" in md and "**1.80x**" in md
     assert "![loss](report/loss.png)" in md and "3 optimizer steps" in md
+    assert "| prompt lookup | 13.0 |" in md  # metrics from before `methods` existed
+    assert not (tmp_path / "results" / "report" / "ddtree.png").exists() and "ddtree" not in md
 
 
 def test_missing_or_empty_inputs(tmp_path):
@@ -80,3 +82,37 @@ def test_paired_counts_and_extra_features_are_summarized(tmp_path):
     assert f"- train.extra_features {tmp_path / 'code.json'}: 7 samples, 300 tokens, 0.5 MB" in md
     with pytest.raises(DataError, match="not found"):
         run(*paths, str(tmp_path / "r"), str(tmp_path / "r.md"), [str(tmp_path / "gone.json")])
+
+
+def test_methods_and_ddtree_budgets_are_tabled_and_plotted(tmp_path):
+    paths = _inputs(tmp_path)
+    ev = json.loads((tmp_path / "eval.json").read_text())
+    row = {"engine": "static", "decode_tokens_per_s": 18.0, "speedup_against": "target"}
+    ev |= {
+        "engine": {"kind": "static", "graphs": True},
+        "methods": {
+            "target": row
+            | {"acceptance_length": None, "decode_tokens_per_s": 10.0, "speedup": 1.0},
+            "dflash": row | {"acceptance_length": 2.5, "speedup": 1.8, "lossless_fraction": 1.0},
+            "prompt_lookup": row
+            | {
+                "engine": "eager",
+                "acceptance_length": 1.9,
+                "speedup": 1.3,
+                "speedup_against": "target_eager",
+            },
+        },  # fmt: skip
+        "ddtree": {
+            n: row | {"acceptance_length": tau, "speedup": s, "lossless_fraction": 1.0}
+            for n, tau, s in (("16", 2.9, 1.9), ("32", 3.1, 1.95), ("64", 3.2, 1.7))
+        },
+    }
+    (tmp_path / "eval.json").write_text(json.dumps(ev))
+    run(*paths, str(tmp_path / "r"), str(tmp_path / "r.md"))
+    md = (tmp_path / "r.md").read_text()
+    assert "- engine: static, CUDA graphs" in md
+    assert "| target only | static | - | 10.0 | 1.00x vs target | - |" in md
+    assert "| prompt lookup | eager | 1.900 | 18.0 | 1.30x vs target_eager | - |" in md
+    assert "| DDTree, 32 nodes | static | 3.100 | 18.0 | 1.95x vs target | 1.000 |" in md
+    assert "![ddtree](r/ddtree.png)" in md
+    assert mpimg.imread(tmp_path / "r" / "ddtree.png").shape[0] > 100

@@ -3,6 +3,8 @@
     train/metrics.jsonl ─► loss.png (loss and per-slot accuracy vs step)
                          ─► acceptance.png (expected tau from slot accuracies vs measured tau)
     eval/metrics.json   ─► histogram.png (accepted length per verify step), throughput table
+                          (a row per method and per DDTree budget)
+                        ─► ddtree.png (tau and speedup vs tree budget; when DDTree ran)
     prompts/stats.json, features/manifest.json ─► data section of report.md
 
 The rule marks the outputs with Snakemake's `report()`, so `snakemake --report report.html`
@@ -69,8 +71,9 @@ def plot_acceptance(rows: list[dict], evaluation: dict, dest: Path) -> None:
                 label="expected, from held-out slot accuracies")  # fmt: skip
     ax.axhline(evaluation["acceptance_length"], color="C1", linestyle="--",
                label=f"measured tau {evaluation['acceptance_length']:.2f} (evaluate)")  # fmt: skip
-    lookup = evaluation["baseline"]["prompt_lookup"]["acceptance_length"]
-    ax.axhline(lookup, color="C2", linestyle=":", label=f"prompt lookup tau {lookup:.2f}")
+    if lookup := evaluation["baseline"].get("prompt_lookup"):
+        tau = lookup["acceptance_length"]
+        ax.axhline(tau, color="C2", linestyle=":", label=f"prompt lookup tau {tau:.2f}")
     ax.set(xlabel="optimizer step", ylabel="acceptance length", title="acceptance length")
     ax.legend()
     _save(fig, dest)
@@ -82,6 +85,24 @@ def plot_histogram(evaluation: dict, dest: Path) -> None:
     ax.bar(list(hist), list(hist.values()))
     ax.set(xlabel="tokens accepted per verify step (drafts + 1)", ylabel="verify steps",
            title=f"acceptance histogram (tau {evaluation['acceptance_length']:.2f})")  # fmt: skip
+    _save(fig, dest)
+
+
+def plot_ddtree(evaluation: dict, dest: Path) -> None:
+    """tau and speedup per DDTree budget, DFlash's (one chain of block_size - 1) as reference."""
+    budgets = sorted(evaluation["ddtree"], key=int)
+    rows = [evaluation["ddtree"][b] for b in budgets]
+    nodes = [int(b) for b in budgets]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, key, name in ((ax1, "acceptance_length", "tau"), (ax2, "speedup", "speedup")):
+        ax.plot(nodes, [r[key] for r in rows], "o-", label="DDTree")
+        if evaluation.get(key) is not None:
+            ax.axhline(evaluation[key], color="C1", linestyle="--", label="DFlash chain")
+        ax.set(xscale="log", xlabel="tree budget (nodes verified per step)", ylabel=name,
+               title=f"DDTree {name} vs budget")  # fmt: skip
+        ax.set_xticks(nodes, budgets)
+        ax.minorticks_off()  # log-scale minor labels would overprint the budgets
+        ax.legend()
     _save(fig, dest)
 
 
@@ -104,18 +125,54 @@ def _ahead(counts: dict | None) -> str:
     return f"{counts['ahead']} of {sum(counts.values())}" if counts else "-"
 
 
+def _speed(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}x"
+
+
+def methods_table(evaluation: dict) -> str:
+    """One row per method and per DDTree budget (metrics from before `methods` existed: decode
+    tokens/s of the three methods)."""
+    tps, lookup = evaluation["tokens_per_s"], evaluation["baseline"].get("prompt_lookup")
+    if "methods" not in evaluation:
+        rows = [("target only", tps["target_only"]), ("DFlash drafter", tps["speculative"])]
+        rows += [("prompt lookup", lookup["tokens_per_s"])] if lookup else []
+        return "| method | decode tokens/s |\n|---|---|\n" + "\n".join(
+            f"| {name} | {speed:.1f} |" for name, speed in rows
+        )
+    names = {"target": "target only", "dflash": "DFlash drafter", "prompt_lookup": "prompt lookup",
+             "target_eager": "target only (eager loop)"}  # fmt: skip
+    rows = [(names.get(m, m), r) for m, r in evaluation["methods"].items()]
+    rows += [(f"DDTree, {n} nodes", r) for n, r in evaluation.get("ddtree", {}).items()]
+    lines = [
+        f"| {name} | {r['engine']} | {_fmt(r['acceptance_length'])} | "
+        f"{r['decode_tokens_per_s']:.1f} | {_speed(r['speedup'])} vs {r['speedup_against']} | "
+        f"{_fmt(r.get('lossless_fraction'))} |"
+        for name, r in rows
+    ]
+    head = "| method | engine | tau | decode tokens/s | speedup | lossless (float32) |\n"
+    return head + "|---|---|---|---|---|---|\n" + "\n".join(lines)
+
+
 def _features(manifest: dict) -> str:
     totals = manifest["totals"]
     return (f"{totals['samples']} samples, {totals['tokens']} tokens, {totals['bytes'] / 1e6:.1f} "
             f"MB ({manifest['codec']})")  # fmt: skip
 
 
+def _engine(evaluation: dict) -> str:
+    engine = evaluation.get("engine")
+    if not engine:
+        return ""
+    graphs = ", CUDA graphs" if engine["graphs"] else ""
+    reason = f" ({engine['reason']})" if engine.get("reason") else ""
+    return f"\n- engine: {engine['kind']}{graphs}{reason}"
+
+
 def summary(rows: list[dict], evaluation: dict, prompts: dict, manifest: dict, img: str,
             extra: dict[str, dict] | None = None) -> str:  # fmt: skip
     """The Markdown summary; `img` is the plot folder relative to the Markdown file, `extra` the
     manifests of train.extra_features by path."""
-    tps = evaluation["tokens_per_s"]
-    lookup = evaluation["baseline"]["prompt_lookup"]
+    lookup = evaluation["baseline"].get("prompt_lookup", {})
     lookup_tau, ahead = lookup.get("per_source", {}), lookup.get("dflash_ahead", {})
     per_source = "\n".join(
         f"| {s} | {t:.3f} | {_fmt(lookup_tau.get(s))} | {_ahead(ahead.get(s))} |"
@@ -141,23 +198,19 @@ def summary(rows: list[dict], evaluation: dict, prompts: dict, manifest: dict, i
 |---|---|---|---|
 {per_source}
 
-- acceptance length tau: **{evaluation["acceptance_length"]:.3f}** (prompt lookup: {lookup["acceptance_length"]:.3f})
+- acceptance length tau: **{evaluation["acceptance_length"]:.3f}** (prompt lookup: {_fmt(lookup.get("acceptance_length"))})
 - lossless fraction (float32): **{evaluation["lossless_fraction"]:.3f}**
-- speedup vs target-only greedy: **{evaluation["speedup"]:.2f}x** (prompt lookup: {lookup["speedup"]:.2f}x)
+- speedup vs target-only greedy: **{evaluation["speedup"]:.2f}x** (prompt lookup: {_speed(lookup.get("speedup"))}){_engine(evaluation)}
 
-| method | decode tokens/s |
-|---|---|
-| target only | {tps["target_only"]:.1f} |
-| DFlash drafter | {tps["speculative"]:.1f} |
-| prompt lookup | {lookup["tokens_per_s"]:.1f} |
+{methods_table(evaluation)}
 
 ![histogram]({img}/histogram.png)
-"""
+{f"![ddtree]({img}/ddtree.png)" if evaluation.get("ddtree") else ""}"""
 
 
 def run(train_metrics: str, eval_metrics: str, prompt_stats: str, manifest: str, plots: str,
         markdown: str, extra_manifests: list[str] = ()) -> None:  # fmt: skip
-    """Write loss.png, acceptance.png, histogram.png into `plots` and the summary to `markdown`
+    """Write loss.png, acceptance.png, histogram.png (and ddtree.png) into `plots` and the summary to `markdown`
     (the features of `extra_manifests`, train.extra_features, listed beside the run's own)."""
     out, md = Path(plots), Path(markdown)
     rows = read_training(Path(train_metrics))
@@ -165,6 +218,8 @@ def run(train_metrics: str, eval_metrics: str, prompt_stats: str, manifest: str,
     plot_loss(rows, out / "loss.png")
     plot_acceptance(rows, evaluation, out / "acceptance.png")
     plot_histogram(evaluation, out / "histogram.png")
+    if evaluation.get("ddtree"):
+        plot_ddtree(evaluation, out / "ddtree.png")
     img = os.path.relpath(out, md.parent)
     extra = {p: _read_json(Path(p)) for p in extra_manifests}
     text = summary(

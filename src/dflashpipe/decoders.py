@@ -1,0 +1,116 @@
+"""The decoding methods evaluate compares, on one engine per process and dtype.
+
+    engine: auto ─► engine.check_target(model) passes? ─ yes ─► static Engine (graphs on CUDA)
+                 │                                     └ no ──► eager loop, reason recorded
+    engine: eager ─────────────────────────────────────────────► eager loop
+
+    method          static engine                       eager loop (speculative.py)
+    target          Engine.greedy                       greedy_decode
+    dflash          Engine.dflash                       speculative_decode + DFlashProposer
+    ddtree@N        Engine.ddtree(N, tree_top_k)        - (no eager tree loop: not run)
+    prompt_lookup   speculative_decode + PromptLookupProposer, in both (the engine has no lookup
+                    step); beside the static engine its speedup is against `target_eager`, the
+                    eager target-only greedy, run in the same interleaving
+
+Every method decodes every prompt, interleaved per prompt so drift in machine speed hits all of
+them alike, after one untimed warm-up response each (allocator, kernels, graph capture).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+from torch import nn
+from tqdm import tqdm
+
+from dflashpipe.engine import Engine
+from dflashpipe.kvcache import check_target
+from dflashpipe.model import Drafter
+from dflashpipe.speculative import (
+    Decoded,
+    DFlashProposer,
+    PromptLookupProposer,
+    Target,
+    greedy_decode,
+    speculative_decode,
+)
+
+log = logging.getLogger(__name__)
+
+METHODS = ("target", "dflash", "prompt_lookup", "ddtree")
+ENGINES = ("auto", "eager")
+
+
+def tree_method(budget: int) -> str:
+    return f"ddtree@{budget}"
+
+
+class Decoders:
+    """One process's decoders of the `methods` (METHODS names; ddtree expands to one method per
+    budget of `tree_nodes`) over `model` + `drafter`. `max_len` bounds prompt + new tokens +
+    the largest step's slack (the static engine's buffers)."""
+
+    def __init__(
+        self, model: nn.Module, drafter: Drafter, methods: Sequence[str], engine: str,
+        max_len: int, tree_nodes: Sequence[int] = (), tree_top_k: int = 8,
+        lookup: tuple[int, int] = (10, 2),
+    ):  # fmt: skip
+        self.kind, self.reason = "eager", "evaluate.engine: eager"
+        if engine == "auto":
+            try:
+                check_target(model)
+                self.kind, self.reason = "static", None
+            except ValueError as e:
+                self.reason = str(e)
+        self.engine = Engine(model, max_len, drafter) if self.kind == "static" else None
+        self.graphs = bool(self.engine and self.engine.graphs)
+        self.top_k = tree_top_k
+        self.dflash = DFlashProposer(drafter)
+        self.lookup = PromptLookupProposer(*lookup)
+        # The eager loop taps the drafter's layers only where it decodes DFlash.
+        self.target = Target(model, [] if self.engine else drafter.config.target_layer_ids)
+        self.methods = ["target", "dflash"]
+        if "ddtree" in methods:
+            if self.engine is None:
+                log.warning("ddtree needs the static engine (%s); not run", self.reason)
+            else:
+                self.methods += [tree_method(n) for n in tree_nodes]
+        if "prompt_lookup" in methods:
+            self.methods += ["prompt_lookup"] + (["target_eager"] if self.engine else [])
+        self.budgets = {tree_method(n): n for n in tree_nodes}
+
+    def info(self) -> dict:
+        """metrics.json's `engine` entry."""
+        out = {"kind": self.kind, "graphs": self.graphs}
+        return out | ({"reason": self.reason} if self.reason else {})
+
+    def decode(self, method: str, ids: list[int], n: int, stop_ids: set[int]) -> Decoded:
+        e = self.engine
+        if method == "target" and e is not None:
+            return e.greedy(ids, n, stop_ids)
+        if method in ("target", "target_eager"):
+            return greedy_decode(self.target, ids, n, stop_ids)
+        if method == "dflash" and e is not None:
+            return e.dflash(ids, n, stop_ids)
+        if method == "dflash":
+            return speculative_decode(self.target, self.dflash, ids, n, stop_ids)
+        if method == "prompt_lookup":
+            return speculative_decode(self.target, self.lookup, ids, n, stop_ids)
+        return e.ddtree(ids, n, stop_ids, self.budgets[method], self.top_k)
+
+    def decode_all(
+        self, prompts: list[tuple[dict, list[int]]], max_new_tokens: int, stop_ids: set[int],
+        desc: str,
+    ) -> dict[str, list[Decoded]]:  # fmt: skip
+        """Every method on every prompt (module docstring)."""
+        for method in self.methods:
+            self.decode(method, prompts[0][1], min(max_new_tokens, 8), stop_ids)
+        results: dict[str, list[Decoded]] = {m: [] for m in self.methods}
+        for _, ids in tqdm(prompts, desc=desc, unit=" prompt"):
+            for method in self.methods:
+                results[method].append(self.decode(method, ids, max_new_tokens, stop_ids))
+        return results
+
+    def close(self) -> None:
+        self.target.close()

@@ -1,0 +1,241 @@
+"""Batch-1 greedy decoding as a serving engine runs it: static caches, fixed-shape steps, graphs.
+
+    prefill (eager, P tokens)   StaticTarget.forward(prompt at slots 0..P-1) -> x_P, taps (P, n*H)
+                                StaticDrafter.append(taps, 0)    context K/V of rows 0..P-1
+    device state                T = committed length (target KV and drafter context rows 0..T-1)
+                                anchor = the last accepted token (not cached yet)
+    greedy step                 target([anchor] at slot T) -> g;  T += 1;  anchor = g
+                                read back: g
+    dflash step   draft         block [anchor, MASK x B-1] at T..T+B-1, keys = context [0, T)
+                                + the block itself -> d_1..d_{B-1}            (stays on device)
+                  verify        target([anchor, d]) at slots T..T+B-1 -> g_0..g_{B-1}, taps
+                                drafter.append(taps, T): all B rows, only the accepted stay valid
+                                n = matched prefix of d vs g;  T += n+1;  anchor = g_n
+                                read back: [n+1, g_0..g_{B-1}]                 (one int tensor)
+    ddtree step   (ddtree.py)   draft top-k -> host builds the tree -> verify [anchor + nodes]
+                                in one forward -> host walks it -> commit the path's K/V rows
+                                read back: the (S, k) candidates, then g per tree row
+
+Fixed shapes: every step writes its rows at slots T..T+B-1 whatever is accepted and advances T
+on the device by the accepted count; rows past T are masked and overwritten by the next step, so
+nothing is trimmed and no host value enters a step (a DDTree step's tree is the exception: the
+host builds it and copies it in). On CUDA each step kind is captured once as a
+CUDA graph over static buffers and replayed; the host reads back one small tensor per step (the
+decision to stop needs it). On the CPU the same step functions run directly.
+
+Outputs equal `speculative.greedy_decode` / `speculative_decode(..., DFlashProposer)` up to
+rounding (tests check it token for token in float32): the target (kvcache.py) is the HF model's
+own modules and weights, run with its own attention over a static (1, n_kv, max_len, D) cache per
+layer, and the drafter's context keys/values are projected once per accepted row instead of
+every step.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+
+from dflashpipe.ddtree import TreeSteps
+from dflashpipe.kvcache import StaticDrafter, StaticTarget
+from dflashpipe.model import Drafter
+from dflashpipe.speculative import Decoded, _clock, _finish
+
+WARMUP_RUNS = 3  # eager runs on a side stream before capture, as the CUDA-graph docs advise
+
+
+class Engine:
+    """Greedy decoding of one sequence at a time: target-only (`greedy`), with a DFlash
+    drafter (`dflash`) or with DDTree draft trees (`ddtree`), each step one fixed-shape function over the static state below, replayed
+    as a CUDA graph when `graphs` (default: on for CUDA). max_len bounds prompt + new tokens +
+    one block of slack; build one engine per (target, drafter, max_len) and reuse it."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        max_len: int,
+        drafter: Drafter | None = None,
+        graphs: bool | None = None,
+    ):
+        layer_ids = list(drafter.config.target_layer_ids) if drafter is not None else []
+        self.target = StaticTarget(model, max_len, layer_ids)
+        self.drafter = StaticDrafter(drafter, max_len) if drafter is not None else None
+        if drafter is not None:
+            _check_pair(model, drafter)
+        self.device, self.max_len = self.target.device, max_len
+        self.graphs = self.device.type == "cuda" if graphs is None else graphs
+        if self.graphs and self.device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device; the target is on {self.device}")
+        B = self.drafter.block_size if self.drafter is not None else 1
+        long = {"dtype": torch.long, "device": self.device}
+        # The static state every step reads and updates in place (graph inputs and outputs).
+        self.length = torch.zeros(1, **long)  # T: committed slots of the target and the drafter
+        self.anchor = torch.zeros(1, **long)  # the last accepted token, not cached yet
+        self.token = torch.zeros(1, **long)  # greedy: the step's token
+        self.drafts = torch.zeros(B - 1, **long)  # dflash: d_1..d_{B-1}
+        self.packed = torch.zeros(B + 1, **long)  # dflash: [n+1, g_0..g_{B-1}], the read-back
+        self.offsets = torch.arange(B, **long)
+        self.steps: dict[str, Callable[[], None]] = {
+            "greedy": self._greedy_step,
+            "draft": self._draft_step,
+            "verify": self._verify_step,
+        }
+        self.captures: Counter[str] = Counter()  # graph captures per step kind (once each)
+        self._graphs: dict[str, torch.cuda.CUDAGraph] = {}
+        self._pool = None
+        self._tree: TreeSteps | None = None  # DDTree steps and buffers, made on first use
+
+    def _greedy_step(self) -> None:
+        T = self.length  # (1,): position = slot = T
+        logits, _ = self.target.forward(self.anchor, T, T, T)  # (1, V)
+        g = logits.argmax(-1)  # (1,)
+        self.token.copy_(g)
+        self.anchor.copy_(g)
+        self.length.add_(1)
+
+    def _draft_step(self) -> None:
+        self.drafts.copy_(self.drafter.propose(self.anchor, self.length))  # (B-1,)
+
+    def _verify_step(self) -> None:
+        T = self.length
+        slots = T + self.offsets  # (B,): positions too
+        ids = torch.cat([self.anchor, self.drafts])  # (B,)
+        logits, states = self.target.forward(ids, slots, slots, T, taps=True)  # (B, V)
+        greedy = logits.argmax(-1)  # (B,): g_i is the target's token after slot i
+        # Every row goes into the drafter's context; T advanced by n+1 keeps only the accepted.
+        self.drafter.append(states, T)
+        n = (self.drafts == greedy[:-1]).long().cumprod(0).sum(0, keepdim=True)  # (1,)
+        self.anchor.copy_(greedy.index_select(0, n))  # index_select: no host sync on n
+        self.packed[:1].copy_(n + 1)
+        self.packed[1:].copy_(greedy)
+        self.length.add_(n + 1)
+
+    def _run(self, kind: str) -> None:
+        if self.graphs:
+            self._graphs[kind].replay()
+        else:
+            self.steps[kind]()
+
+    def _reset(self) -> None:
+        self.length.zero_()
+        self.anchor.zero_()
+
+    def _capture(self, kinds: Sequence[str]) -> None:
+        """Capture each step kind once per engine, before any timing. Warm-up runs and capture
+        start from T = 0: their cache writes land in slots the next prefill overwrites."""
+        if not self.graphs:
+            return
+        for kind in kinds:
+            if kind not in self._graphs:
+                self._graphs[kind] = self._record(self.steps[kind])
+                self.captures[kind] += 1
+
+    def _record(self, step: Callable[[], None]) -> torch.cuda.CUDAGraph:
+        with torch.cuda.device(self.device):
+            current = torch.cuda.current_stream()
+            side = torch.cuda.Stream()
+            side.wait_stream(current)
+            with torch.cuda.stream(side):  # warm-up off the capture path, per the CUDA-graph docs
+                for _ in range(WARMUP_RUNS):
+                    self._reset()
+                    step()
+            current.wait_stream(side)
+            self._reset()
+            self._pool = self._pool or torch.cuda.graph_pool_handle()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):  # the steps run in turn: one pool
+                step()
+        return graph
+
+    def _check_fit(self, prompt_length: int, max_new_tokens: int, slack: int) -> None:
+        if prompt_length < 1 or max_new_tokens < 1:
+            raise ValueError(
+                f"prompt length {prompt_length} and max_new_tokens {max_new_tokens} must be >= 1"
+            )
+        need = prompt_length + max_new_tokens + slack
+        if need > self.max_len:
+            block = f" + block_size {slack}" if slack else ""
+            raise ValueError(
+                f"prompt length {prompt_length} + max_new_tokens {max_new_tokens}{block} = {need} "
+                f"does not fit the engine's max_len {self.max_len}"
+            )
+
+    def _prefill(self, prompt_ids: list[int], taps: bool) -> int:
+        """The prompt in one eager forward at slots 0..P-1; returns the first new token."""
+        P = len(prompt_ids)
+        ids = torch.tensor(prompt_ids, dtype=torch.long, device=self.device)  # (P,)
+        slots = torch.arange(P, device=self.device)  # (P,)
+        logits, states = self.target.forward(
+            ids, slots, slots, torch.zeros_like(self.length), taps=taps, last_only=True
+        )
+        if states is not None:
+            self.drafter.append(states, 0)
+        first = logits[-1].argmax()
+        self.anchor.copy_(first.view(1))
+        self.length.fill_(P)
+        return int(first)
+
+    @torch.inference_mode()
+    def greedy(self, prompt_ids: list[int], max_new_tokens: int, stop_ids: set[int]) -> Decoded:
+        """Target-only greedy decoding, one token per step (as `speculative.greedy_decode`)."""
+        self._check_fit(len(prompt_ids), max_new_tokens, 0)
+        self._capture(["greedy"])
+        t0 = _clock(self.device)
+        out = [self._prefill(prompt_ids, taps=False)]
+        t1 = _clock(self.device)
+        while len(out) < max_new_tokens and out[-1] not in stop_ids:
+            self._run("greedy")
+            out.append(int(self.token))  # the step's one read-back
+        t2 = _clock(self.device)
+        out, reason = _finish(out, max_new_tokens, stop_ids)
+        return Decoded(out, reason, t1 - t0, t2 - t1)
+
+    @torch.inference_mode()
+    def dflash(self, prompt_ids: list[int], max_new_tokens: int, stop_ids: set[int]) -> Decoded:
+        """DFlash speculative decoding (as `speculative_decode` with a `DFlashProposer`)."""
+        if self.drafter is None:
+            raise ValueError("this Engine was built without a drafter; pass drafter= to decode")
+        B = self.drafter.block_size
+        self._check_fit(len(prompt_ids), max_new_tokens, B)
+        self._capture(["draft", "verify"])
+        t0 = _clock(self.device)
+        out = [self._prefill(prompt_ids, taps=True)]
+        t1 = _clock(self.device)
+        accepted_lengths, drafted = [], []
+        stopped = out[0] in stop_ids
+        while len(out) < max_new_tokens and not stopped:
+            self._run("draft")
+            self._run("verify")
+            count, *greedy = self.packed.tolist()  # the step's one read-back
+            new = greedy[:count]  # accepted drafts equal the target's tokens, then the bonus
+            out += new
+            stopped = any(t in stop_ids for t in new)
+            accepted_lengths.append(count)
+            drafted.append(B - 1)
+        t2 = _clock(self.device)
+        out, reason = _finish(out, max_new_tokens, stop_ids)
+        return Decoded(out, reason, t1 - t0, t2 - t1, accepted_lengths, drafted)
+
+    def ddtree(
+        self, prompt_ids: list[int], max_new_tokens: int, stop_ids: set[int], budget: int,
+        top_k: int,
+    ) -> Decoded:  # fmt: skip
+        """DDTree speculative decoding (ddtree.py): per step a best-first tree of `budget`
+        nodes from the drafter's top_k candidates per slot, verified in one target forward."""
+        if self.drafter is None:
+            raise ValueError("this Engine was built without a drafter; pass drafter= to decode")
+        self._tree = self._tree or TreeSteps(self)
+        return self._tree.decode(prompt_ids, max_new_tokens, stop_ids, budget, top_k)
+
+
+def _check_pair(model: nn.Module, drafter: Drafter) -> None:
+    """The drafter's fc must take this target's tapped states."""
+    hidden = model.config.get_text_config().hidden_size
+    n_taps = len(drafter.config.target_layer_ids)
+    if drafter.fc.in_features != n_taps * hidden:
+        raise ValueError(
+            f"drafter fc takes {drafter.fc.in_features} features, but {n_taps} taps of the "
+            f"target's hidden size {hidden} give {n_taps * hidden}"
+        )

@@ -1,0 +1,205 @@
+"""metrics.json's figures from decoded responses (evaluate.py decodes, this counts).
+
+    responses per method ──► method_summary   tau, decode tokens/s, per-position acceptance
+      (run dtype, timed)  ├► tau_per_source, ahead_per_source (paired per prompt vs lookup)
+                          └► method_rows      every method's tau / speed / speedup, DDTree's
+                                              per budget (`methods`, `ddtree`)
+    float32 responses ───► lossless fraction and first divergence, per speculative method
+
+tau (acceptance length) = accepted drafts + 1 per verify step, averaged per response, then over
+responses (responses without a verify step have no tau). Speeds are decode tokens/s summed over
+responses; speedup = a method's speed / the target-only speed of the same engine and process.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+
+from dflashpipe.speculative import Decoded
+
+
+def first_divergence(
+    prompts: list[tuple[dict, list[int]]], ref: list[Decoded], got: list[Decoded]
+) -> dict | None:
+    """Where the first speculative output that is not the target's own departs from it."""
+    for (row, _), a, b in zip(prompts, ref, got, strict=True):
+        if a.output_ids == b.output_ids:
+            continue
+        pairs = zip(a.output_ids, b.output_ids, strict=False)
+        pos = next((i for i, (x, y) in enumerate(pairs) if x != y), None)
+        pos = min(len(a.output_ids), len(b.output_ids)) if pos is None else pos
+        return {
+            "prompt_id": row["prompt_id"],
+            "source": row["source"],
+            "position": pos,
+            "target_token": a.output_ids[pos] if pos < len(a.output_ids) else None,
+            "speculative_token": b.output_ids[pos] if pos < len(b.output_ids) else None,
+        }
+    return None
+
+
+def _mean(xs: list[float]) -> float | None:
+    return sum(xs) / len(xs) if xs else None
+
+
+def _identical(a: list[Decoded], b: list[Decoded]) -> list[bool]:
+    return [x.output_ids == y.output_ids for x, y in zip(a, b, strict=True)]
+
+
+def method_summary(results: list[Decoded], num_positions: int) -> dict:
+    """tau, decode speed and per-position acceptance of one method over all responses."""
+    taus = [t for r in results if (t := r.acceptance_length) is not None]
+    decode_s = sum(r.decode_s for r in results)
+    wall_s = sum(r.wall_s for r in results)
+    accepted, proposed = [0] * num_positions, [0] * num_positions
+    for r in results:
+        a, p = r.position_counts(num_positions)
+        accepted = [x + y for x, y in zip(accepted, a, strict=True)]
+        proposed = [x + y for x, y in zip(proposed, p, strict=True)]
+    return {
+        "acceptance_length": _mean(taus),
+        "decode_tokens_per_s": sum(r.decode_tokens for r in results) / decode_s if decode_s else 0,
+        "tokens_per_s": sum(len(r.output_ids) for r in results) / wall_s if wall_s else 0,
+        "verify_steps": sum(len(r.accepted_lengths) for r in results),
+        "per_position_acceptance": [
+            a / p if p else None for a, p in zip(accepted, proposed, strict=True)
+        ],
+    }
+
+
+def tau_per_source(prompts: list[tuple[dict, list[int]]], results: list[Decoded]) -> dict:
+    """Mean acceptance length of one method's responses, per eval source."""
+    by_source: dict[str, list[float]] = defaultdict(list)
+    for (row, _), r in zip(prompts, results, strict=True):
+        if r.acceptance_length is not None:
+            by_source[row["source"]].append(r.acceptance_length)
+    return {s: _mean(v) for s, v in sorted(by_source.items())}
+
+
+def ahead_per_source(
+    prompts: list[tuple[dict, list[int]]], ours: list[Decoded], theirs: list[Decoded]
+) -> dict:
+    """Per eval source, on how many prompts (of those where both methods verified a draft) our
+    acceptance length is above, equal to and below theirs: a paired view the means hide."""
+    counts: dict[str, dict[str, int]] = defaultdict(lambda: {"ahead": 0, "tied": 0, "behind": 0})
+    for (row, _), a, b in zip(prompts, ours, theirs, strict=True):
+        if a.acceptance_length is not None and b.acceptance_length is not None:
+            d = a.acceptance_length - b.acceptance_length
+            counts[row["source"]]["ahead" if d > 0 else "behind" if d < 0 else "tied"] += 1
+    return dict(sorted(counts.items()))
+
+
+def _speedup(results: list[Decoded], base: list[Decoded]) -> float | None:
+    base_speed = method_summary(base, 0)["decode_tokens_per_s"]
+    return method_summary(results, 0)["decode_tokens_per_s"] / base_speed if base_speed else None
+
+
+def method_rows(
+    prompts: list[tuple[dict, list[int]]], main: dict[str, list[Decoded]],
+    lossless: dict[str, list[Decoded]], engine: str,
+) -> tuple[dict, dict]:  # fmt: skip
+    """(metrics' `methods`, `ddtree` per budget): tau, decode speed, speedup against the
+    target-only of the same engine (prompt lookup: the eager one) and float32 losslessness."""
+    methods, trees = {}, {}
+    for m, results in main.items():
+        eager = m in ("prompt_lookup", "target_eager")
+        base = "target_eager" if eager and "target_eager" in main else "target"
+        row = method_summary(results, 0)
+        entry = {
+            "engine": "eager" if eager else engine,
+            "acceptance_length": row["acceptance_length"],
+            "decode_tokens_per_s": row["decode_tokens_per_s"],
+            "speedup": _speedup(results, main[base]),
+            "speedup_against": base,
+        }
+        if m in lossless and m != "target":
+            same = _identical(lossless["target"], lossless[m])
+            entry["lossless_fraction"] = sum(same) / len(same)
+        if not m.startswith("ddtree@"):
+            methods[m] = entry
+            continue
+        entry |= {
+            "per_source": tau_per_source(prompts, results),
+            "verify_steps": row["verify_steps"],
+            "nodes_per_step": _mean([d for r in results for d in r.drafted]),
+            "first_divergence": first_divergence(prompts, lossless["target"], lossless[m]),
+        }
+        trees[m.removeprefix("ddtree@")] = entry
+    return methods, trees
+
+
+def summarize(
+    prompts: list[tuple[dict, list[int]]],
+    main: dict[str, list[Decoded]],
+    lossless: dict[str, list[Decoded]],
+    block: int,
+    lookup_tokens: int,
+    reduced_precision: bool,
+    engine: dict | None = None,
+) -> dict:
+    """metrics.json's figures: main holds the timed run-dtype responses per method, lossless
+    the float32 ones of target-only, DFlash and DDTree; `engine` is Decoders.info()."""
+    engine = engine or {"kind": "eager", "graphs": False}
+    target, dflash, looked_up = main["target"], main["dflash"], main.get("prompt_lookup")
+    spec, base = method_summary(dflash, block - 1), method_summary(target, block - 1)
+    base_speed = base["decode_tokens_per_s"]
+    histogram = Counter(a for r in dflash for a in r.accepted_lengths)
+    same = _identical(lossless["target"], lossless["dflash"])
+    trees = {m.removeprefix("ddtree@"): main[m] for m in main if m.startswith("ddtree@")}
+    responses = []
+    for k, ((row, ids), r, ok) in enumerate(zip(prompts, dflash, same, strict=True)):
+        responses.append({
+            "prompt_id": row["prompt_id"],
+            "source": row["source"],
+            "prompt_tokens": len(ids),
+            "new_tokens": len(r.output_ids),
+            "finish_reason": r.finish_reason,
+            "acceptance_length": r.acceptance_length,
+            "lossless": ok,
+        })  # fmt: skip
+        if looked_up is not None:
+            responses[-1]["prompt_lookup_acceptance_length"] = looked_up[k].acceptance_length
+        if trees:
+            responses[-1]["ddtree_acceptance_length"] = {
+                n: results[k].acceptance_length for n, results in trees.items()
+            }
+    methods, ddtree = method_rows(prompts, main, lossless, engine["kind"])
+    metrics = {
+        "acceptance_length": spec["acceptance_length"],
+        "per_source": tau_per_source(prompts, dflash),
+        "histogram": {str(k): histogram.get(k, 0) for k in range(1, block + 1)},
+        "per_position_acceptance": spec["per_position_acceptance"],
+        "lossless_fraction": sum(same) / len(same),
+        "first_divergence": first_divergence(prompts, lossless["target"], lossless["dflash"]),
+        "bf16_agreement": _mean(_identical(target, dflash)) if reduced_precision else None,
+        "speedup": spec["decode_tokens_per_s"] / base_speed if base_speed else None,
+        "tokens_per_s": {
+            "speculative": spec["decode_tokens_per_s"],
+            "target_only": base_speed,
+            "speculative_with_prefill": spec["tokens_per_s"],
+            "target_only_with_prefill": base["tokens_per_s"],
+        },
+        "verify_steps": spec["verify_steps"],
+        "baseline": {},
+        "methods": methods,
+        "ddtree": ddtree,
+        "engine": engine,
+        "responses": responses,
+    }
+    if looked_up is not None:
+        lookup = method_summary(looked_up, lookup_tokens)
+        reference = main.get("target_eager", target)  # the same loop as prompt lookup
+        metrics["baseline"]["prompt_lookup"] = {
+            "method": "n-gram prompt-lookup proposer (transformers' candidate rule) run "
+            "through the eager verify loop and harness (speculative.py)",
+            "num_tokens": lookup_tokens,
+            "acceptance_length": lookup["acceptance_length"],
+            "per_source": tau_per_source(prompts, looked_up),
+            "tokens_per_s": lookup["decode_tokens_per_s"],
+            "speedup": methods["prompt_lookup"]["speedup"],
+            "speedup_against": methods["prompt_lookup"]["speedup_against"],
+            "per_position_acceptance": lookup["per_position_acceptance"],
+            "identical_to_target_fraction": _mean(_identical(reference, looked_up)),
+            "dflash_ahead": ahead_per_source(prompts, dflash, looked_up),
+        }
+    return metrics

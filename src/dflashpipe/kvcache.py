@@ -1,0 +1,285 @@
+"""Static KV caches: the target and the DFlash drafter over fixed per-layer buffers.
+
+    StaticTarget    HF Llama-family model, its own modules and weights; K/V of every layer in a
+                    (1, n_kv, capacity, D) buffer; new tokens at explicit slots and positions
+                    (a tree's siblings share a position, each has its own slot); mask = committed
+                    prefix (< cache_len) + `visible` among the new slots; commit() moves a kept
+                    tree path behind the prefix
+    StaticDrafter   DFlash drafter; context K/V projected once per accepted row at slot =
+                    position (append), a block [anchor, MASK..] drafted against it (slot_logits)
+
+Both are what engine.py's fixed-shape steps run (tests check them against the HF forward and the
+eager DFlashProposer in float32). Only step-time values live on the device: no host sync inside.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from dflashpipe.model import Drafter, apply_rope, target_rope_parameters
+
+SUPPORTED_TARGETS = ("llama", "qwen2", "qwen3")
+# RoPE types whose frequencies change with the sequence length at run time: a table computed once
+# for max_len positions would differ from the model's own per-call values.
+RUNTIME_ROPE = ("dynamic", "longrope")
+CAPACITY_ALIGN = 16  # buffer lengths rounded up: memory-efficient SDPA wants aligned mask rows
+
+
+def fold_mask(mask: Tensor, groups: int) -> Tensor:
+    """A (Q, L) bool mask in the layout `attend_cache` takes: (1, 1, groups*Q, L). Built once per
+    step and shared by every layer."""
+    return mask.repeat(groups, 1)[None, None]
+
+
+def attend_cache(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float | None) -> Tensor:
+    """Attention of queries q (1, Hq, Q, D) over whole static buffers k, v (1, Hkv, L, D) under a
+    folded mask (1, 1, g*Q, L) -> (1, Hq, Q, D). The g = Hq/Hkv query heads sharing a KV head
+    are folded into the query length (head h = kv*g + r, as HF's repeat_kv orders them), so no
+    backend needs GQA support and no buffer is expanded per step.
+
+    Cost (H200, Qwen3-8B shape, bf16, 2048 slots, torch 2.11): cuDNN's kernel took ~45 us per
+    layer call whatever the valid length (Hkv CTAs on 132 SMs), about 18% of a 9.2 ms
+    target-only step. A split-KV (flash-decoding) kernel over the valid prefix should take a few
+    us (reading 4 MB of K/V); not measured here."""
+    _, Hq, Q, D = q.shape
+    Hkv = k.shape[1]
+    y = F.scaled_dot_product_attention(
+        q.reshape(1, Hkv, Hq // Hkv * Q, D), k, v, attn_mask=mask, scale=scale
+    )  # (1, Hkv, g*Q, D)
+    return y.reshape(1, Hq, Q, D)  # CUDA kernels may return it transposed
+
+
+def kv_buffers(n: int, shape: tuple[int, ...], like: Tensor) -> list[Tensor]:
+    """n zeroed static buffers (one per layer) in the dtype and device of `like`."""
+    return [torch.zeros(shape, dtype=like.dtype, device=like.device) for _ in range(n)]
+
+
+def _aligned(n: int) -> int:
+    return -(-n // CAPACITY_ALIGN) * CAPACITY_ALIGN
+
+
+def check_target(model: nn.Module) -> None:
+    """Refuse (ValueError naming the model type) what StaticTarget does not reproduce."""
+    tc = model.config.get_text_config()
+    kind = getattr(tc, "model_type", type(model).__name__)
+    if kind not in SUPPORTED_TARGETS:
+        raise ValueError(
+            f"StaticTarget supports model types {SUPPORTED_TARGETS}, not {kind!r}; "
+            "use the eager loop (speculative.py) for it"
+        )
+    layer_types = set(getattr(tc, "layer_types", None) or ["full_attention"])
+    if layer_types != {"full_attention"} or getattr(tc, "sliding_window", None) is not None:
+        raise ValueError(
+            f"{kind} target has sliding-window layers (layer_types {sorted(layer_types)}, "
+            f"sliding_window {getattr(tc, 'sliding_window', None)}); StaticTarget supports full "
+            "attention only"
+        )
+    rope_type = target_rope_parameters(tc).get("rope_type", "default")
+    if rope_type in RUNTIME_ROPE:
+        raise ValueError(
+            f"{kind} target uses rope_type {rope_type!r}, whose frequencies depend on the "
+            "sequence length at run time; StaticTarget supports static RoPE types only"
+        )
+
+
+class StaticTarget:
+    """An HF Llama-family causal LM (its own modules and weights) over a static KV cache of
+    max_len slots per layer. Slots and positions are separate, so a tree's nodes can share a
+    position while occupying their own slots."""
+
+    def __init__(self, model: nn.Module, max_len: int, layer_ids: Sequence[int] = ()):
+        check_target(model)
+        self.model = model
+        self.base = model.get_decoder()
+        self.layer_ids = list(layer_ids)
+        if bad := [i for i in self.layer_ids if not 0 <= i < len(self.base.layers)]:
+            raise ValueError(
+                f"tapped layers {bad} are not layers of the {len(self.base.layers)}-layer target"
+            )
+        attn = self.base.layers[0].self_attn
+        weight = attn.k_proj.weight
+        self.device, self.dtype = weight.device, weight.dtype
+        self.max_len, self.capacity = max_len, _aligned(max_len)
+        self.head_dim = attn.head_dim
+        self.num_kv_heads = attn.k_proj.out_features // self.head_dim
+        self.groups = attn.q_proj.out_features // attn.k_proj.out_features
+        shape = (1, self.num_kv_heads, self.capacity, self.head_dim)
+        self.k = kv_buffers(len(self.base.layers), shape, weight)
+        self.v = kv_buffers(len(self.base.layers), shape, weight)
+        self.cols = torch.arange(self.capacity, device=self.device)  # (L,)
+        with torch.no_grad():
+            # The model's own rotary embedding over every slot once: per position the same
+            # elementwise float32 math as its per-call forward, cast to the hidden dtype.
+            probe = torch.zeros(1, dtype=self.dtype, device=self.device)
+            cos, sin = self.base.rotary_emb(probe, self.cols[None])  # (1, L, D)
+        self.cos, self.sin = cos[0], sin[0]  # (L, D)
+
+    def mask(self, slots: Tensor, cache_len: Tensor, visible: Tensor | None = None) -> Tensor:
+        """(Q, L) bool: the committed prefix (< cache_len) plus, among the new slots, `visible`
+        (Q, Q) (default causal; a tree passes its ancestor-only matrix)."""
+        Q = slots.shape[0]
+        if visible is None:
+            visible = torch.ones(Q, Q, dtype=torch.bool, device=self.device).tril()
+        mask = (self.cols < cache_len).repeat(Q, 1)  # (Q, L)
+        return mask.index_copy_(1, slots, visible)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        ids: Tensor,
+        positions: Tensor,
+        slots: Tensor,
+        cache_len: Tensor,
+        visible: Tensor | None = None,
+        taps: bool = False,
+        last_only: bool = False,
+    ) -> tuple[Tensor, Tensor | None]:
+        """Logits (Q, V) (the last row only with last_only) of Q new tokens `ids` at `positions`,
+        their K/V written into `slots` (all (Q,) device tensors; cache_len a one-element tensor)
+        and, with taps, the outputs of decoder layers `layer_ids` (Q, n_taps*H)."""
+        mask = fold_mask(self.mask(slots, cache_len, visible), self.groups)  # once for all layers
+        cos, sin = self.cos[positions], self.sin[positions]  # (Q, D)
+        x = self.base.embed_tokens(ids)  # (Q, H)
+        tapped = {}
+        for i, layer in enumerate(self.base.layers):
+            h = layer.input_layernorm(x)
+            x = x + self._attention(i, layer.self_attn, h, cos, sin, slots, mask)
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            if i in self.layer_ids:
+                tapped[i] = x
+        if last_only:
+            x = x[-1:]
+        logits = self.model.lm_head(self.base.norm(x))  # (Q, V)
+        states = torch.cat([tapped[i] for i in self.layer_ids], -1) if tapped and taps else None
+        return logits, states
+
+    def _attention(self, i, attn, h, cos, sin, slots, mask) -> Tensor:
+        Q, D = h.shape[0], self.head_dim
+        q = attn.q_proj(h).view(Q, -1, D)  # (Q, Hq, D)
+        k = attn.k_proj(h).view(Q, -1, D)  # (Q, Hkv, D)
+        v = attn.v_proj(h).view(Q, -1, D)  # (Q, Hkv, D)
+        if hasattr(attn, "q_norm"):  # Qwen3: per-head RMSNorm before RoPE
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q = apply_rope(q.transpose(0, 1)[None], cos, sin)  # (1, Hq, Q, D)
+        k = apply_rope(k.transpose(0, 1)[None], cos, sin)  # (1, Hkv, Q, D)
+        self.k[i].index_copy_(2, slots, k)
+        self.v[i].index_copy_(2, slots, v.transpose(0, 1)[None])
+        y = attend_cache(q, self.k[i], self.v[i], mask, attn.scaling)  # (1, Hq, Q, D)
+        return attn.o_proj(y[0].transpose(0, 1).reshape(Q, -1))  # (Q, H)
+
+    @torch.inference_mode()
+    def commit(self, src_slots: Tensor, dst_start: Tensor | int) -> None:
+        """Copy the K/V at src_slots (n,) to the contiguous slots dst_start.. (a tree's accepted
+        path moved behind the prefix). The sources are gathered first, so ranges may overlap."""
+        dst = dst_start + torch.arange(src_slots.shape[0], device=self.device)  # (n,)
+        for buf in (*self.k, *self.v):
+            buf.index_copy_(2, dst, buf.index_select(2, src_slots))
+
+
+class StaticDrafter:
+    """A DFlash drafter whose context keys/values live in static per-layer buffers: each accepted
+    row is projected once (k_proj -> k_norm -> RoPE at its position, v_proj), at slot = position.
+    A draft writes its block's own K/V at slots T..T+B-1 (the next append overwrites them)."""
+
+    def __init__(self, drafter: Drafter, max_len: int):
+        self.drafter = drafter
+        cfg = drafter.config
+        self.block_size = cfg.block_size
+        if cfg.block_size + 1 > max_len:
+            raise ValueError(
+                f"drafter block_size {cfg.block_size} does not fit max_len {max_len}: a step "
+                "needs block_size slots after at least one committed token"
+            )
+        weight = drafter.fc.weight
+        self.device, self.dtype = weight.device, weight.dtype
+        self.max_len, self.capacity = max_len, _aligned(max_len)
+        shape = (1, cfg.num_key_value_heads, self.capacity, cfg.head_dim)
+        self.k = kv_buffers(len(drafter.layers), shape, weight)
+        self.v = kv_buffers(len(drafter.layers), shape, weight)
+        self.cols = torch.arange(self.capacity, device=self.device)  # (L,)
+        self.offsets = torch.arange(cfg.block_size, device=self.device)  # (B,)
+        self.masks_ids = torch.full(
+            (cfg.block_size - 1,), cfg.mask_token_id, dtype=torch.long, device=self.device
+        )
+        with torch.no_grad():
+            self.cos, self.sin = drafter.rotary_emb(self.cols)  # (L, D) float32, as Drafter's
+        self.windows = list(dict.fromkeys(cfg.sliding_windows))
+        self.groups = cfg.num_attention_heads // cfg.num_key_value_heads
+
+    @torch.inference_mode()
+    def append(self, states: Tensor, start: Tensor | int) -> None:
+        """Context rows of target states (R, n_taps*H) at slots/positions start..start+R-1."""
+        ctx = self.drafter.context(states)  # (R, H)
+        R, D = ctx.shape[0], self.drafter.config.head_dim
+        slots = start + torch.arange(R, device=self.device)  # (R,)
+        cos, sin = self.cos[slots], self.sin[slots]  # (R, D)
+        for i, layer in enumerate(self.drafter.layers):
+            attn = layer.self_attn
+            k = attn.k_norm(attn.k_proj(ctx).view(R, -1, D))  # (R, Hkv, D)
+            v = attn.v_proj(ctx).view(R, -1, D)  # (R, Hkv, D)
+            self.k[i].index_copy_(2, slots, apply_rope(k.transpose(0, 1)[None], cos, sin))
+            self.v[i].index_copy_(2, slots, v.transpose(0, 1)[None])
+
+    def masks(self, length: Tensor) -> dict[int | None, Tensor]:
+        """Per sliding window (None: full) the folded (see `fold_mask`) SDPA form of
+        masks.block_mask_mod for one block anchored at position T = length: context j < T, every
+        slot of the block; a window measures from the query's position T+k and is causal inside
+        the block."""
+        slot = self.offsets[:, None]  # (B, 1)
+        j = self.cols[None, :]  # (1, L)
+        kv_slot = j - length  # (1, L): block slot of column j, negative for context
+        context = j < length  # (1, L)
+        block = (kv_slot >= 0) & (kv_slot < self.block_size)  # (1, L)
+        out = {}
+        for w in self.windows:
+            if w is None:
+                mask = (context | block).expand(self.block_size, -1)  # (B, L)
+            else:
+                near = length + slot - j < w  # (B, L)
+                causal = (kv_slot <= slot) & (slot - kv_slot < w)  # (B, L)
+                mask = (context & near) | (block & causal)  # (B, L)
+            out[w] = fold_mask(mask, self.groups)
+        return out
+
+    @torch.inference_mode()
+    def slot_states(self, anchor: Tensor, length: Tensor) -> Tensor:
+        """Final hidden states (B, H) of the block [anchor, MASK..] at positions T..T+B-1."""
+        d = self.drafter
+        D = d.config.head_dim
+        x = d.embed_blocks(torch.cat([anchor, self.masks_ids])[None])[0]  # (B, H)
+        slots = length + self.offsets  # (B,)
+        cos, sin = self.cos[slots], self.sin[slots]  # (B, D)
+        masks = self.masks(length)
+        B = self.block_size
+        for i, layer in enumerate(d.layers):
+            attn = layer.self_attn
+            h = layer.input_layernorm(x)
+            q = attn.q_norm(attn.q_proj(h).view(B, -1, D))  # (B, Hq, D)
+            k = attn.k_norm(attn.k_proj(h).view(B, -1, D))  # (B, Hkv, D)
+            v = attn.v_proj(h).view(B, -1, D)  # (B, Hkv, D)
+            q = apply_rope(q.transpose(0, 1)[None], cos, sin)  # (1, Hq, B, D)
+            self.k[i].index_copy_(2, slots, apply_rope(k.transpose(0, 1)[None], cos, sin))
+            self.v[i].index_copy_(2, slots, v.transpose(0, 1)[None])
+            mask = masks[attn.sliding_window]
+            y = attend_cache(q, self.k[i], self.v[i], mask, None)  # (1, Hq, B, D)
+            x = x + attn.o_proj(y[0].transpose(0, 1).reshape(B, -1))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return d.norm(x)
+
+    @torch.inference_mode()
+    def slot_logits(self, anchor: Tensor, length: Tensor) -> Tensor:
+        """Logits (B-1, V) of slots 1..B-1 (slot k predicts the token k after the anchor)."""
+        return self.drafter.lm_head(self.slot_states(anchor, length)[1:])
+
+    def propose(self, anchor: Tensor, length: Tensor) -> Tensor:
+        """Greedy drafts (B-1,) of slots 1..B-1 (the chain)."""
+        return self.slot_logits(anchor, length).argmax(-1)
+
+    def top_k(self, anchor: Tensor, length: Tensor, k: int) -> tuple[Tensor, Tensor]:
+        """Per slot 1..B-1 the k most likely tokens: float32 log-probabilities and ids (B-1, k)."""
+        logits = self.slot_logits(anchor, length).float()  # (B-1, V)
+        return torch.log_softmax(logits, -1).topk(k, dim=-1)

@@ -1,0 +1,322 @@
+"""Static-cache engine (engine.py, kvcache.py, ddtree.py): the same logits, tokens and
+acceptances as the eager loop (float32)."""
+
+import copy
+
+import pytest
+import torch
+from transformers import (
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+from dflashpipe.engine import Engine
+from dflashpipe.extract import LayerTaps
+from dflashpipe.kvcache import StaticDrafter, StaticTarget
+from dflashpipe.model import Drafter, DrafterConfig
+from dflashpipe.speculative import (
+    DFlashProposer,
+    Target,
+    greedy_decode,
+    speculative_decode,
+)
+
+BLOCK = 4
+TAPS = [0, 1]
+NEW = 24
+MAX_LEN = 64
+SIZES = dict(
+    vocab_size=320,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=256,
+)
+_g = torch.Generator().manual_seed(0)
+PROMPTS = [torch.randint(2, 320, (n,), generator=_g).tolist() for n in (5, 11, 19)]
+
+
+def tiny(config_cls, model_cls, **extra):
+    torch.manual_seed(0)
+    return model_cls(config_cls(**SIZES, **extra)).eval()
+
+
+@pytest.fixture(scope="module")
+def llama() -> LlamaForCausalLM:
+    """A Llama that often falls into runs of token 7: every embedding carries a constant in
+    dimension 0 and lm_head row 7 reads it, so a drafter drafting 7 gets runs accepted."""
+    model = tiny(LlamaConfig, LlamaForCausalLM)
+    with torch.no_grad():
+        model.model.embed_tokens.weight[:, 0] = 0.05
+        model.lm_head.weight[7, 0] = 0.25
+    return model
+
+
+@pytest.fixture(scope="module")
+def qwen3() -> Qwen3ForCausalLM:
+    return tiny(Qwen3Config, Qwen3ForCausalLM)
+
+
+def make_drafter(target, num_layers=1, seed=1, **kw) -> Drafter:
+    config = DrafterConfig.from_target(
+        target.config,
+        mask_token_id=1,
+        num_layers=num_layers,
+        block_size=BLOCK,
+        target_layer_ids=TAPS,
+        **kw,
+    )
+    torch.manual_seed(seed)
+    return Drafter.from_target_model(config, target).eval()
+
+
+@pytest.fixture(scope="module")
+def drafter(llama) -> Drafter:
+    """A final norm reading only dimension 0 drafts token 7 in every slot: accepted lengths then
+    range from 1 to the block size with the target's output."""
+    d = make_drafter(llama)
+    with torch.no_grad():
+        d.norm.weight.zero_()
+        d.norm.weight[0] = 1.0
+    return d
+
+
+@pytest.fixture(scope="module")
+def engine(llama, drafter) -> Engine:
+    return Engine(llama, MAX_LEN, drafter)
+
+
+def reference_taps(model, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF forward logits (S, V) and tapped layer outputs (S, n_taps*H), as extract taps them."""
+    taps = LayerTaps(model.get_decoder(), TAPS)
+    try:
+        with torch.inference_mode():
+            logits = model(input_ids=torch.tensor([ids]), use_cache=False).logits[0]
+        return logits, taps.gather()[0]
+    finally:
+        taps.remove()
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+def test_static_target_matches_the_hf_forward(request, name):
+    model = request.getfixturevalue(name)
+    target = StaticTarget(model, 32, TAPS)
+    ids = PROMPTS[1] + [3, 9, 27]
+    ref_logits, ref_taps = reference_taps(model, ids)
+    P = len(PROMPTS[1])
+    slots = torch.arange(P)
+    logits, taps = target.forward(torch.tensor(ids[:P]), slots, slots, torch.zeros(1), taps=True)
+    torch.testing.assert_close(logits, ref_logits[:P], atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(taps, ref_taps[:P], atol=1e-5, rtol=1e-4)
+    for t in range(P, len(ids)):  # one token per step, the committed length = its slot
+        slot = torch.tensor([t])
+        logits, taps = target.forward(torch.tensor(ids[t : t + 1]), slot, slot, slot, taps=True)
+        torch.testing.assert_close(logits[0], ref_logits[t], atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(taps[0], ref_taps[t], atol=1e-5, rtol=1e-4)
+
+
+def test_tree_mask_and_commit_keep_the_chosen_branch(llama):
+    """Three new tokens a, b, c with b and c both children of a (same position, own slots);
+    committing the path a, c leaves the cache of prefix + [a, c]."""
+    target = StaticTarget(llama, 32)
+    prefix, (a, b, c, x) = PROMPTS[0], (40, 41, 42, 43)
+    P = len(prefix)
+    slots = torch.arange(P)
+    target.forward(torch.tensor(prefix), slots, slots, torch.zeros(1))
+    visible = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
+    logits, _ = target.forward(
+        torch.tensor([a, b, c]),
+        torch.tensor([P, P + 1, P + 1]),  # positions: b and c are siblings
+        torch.tensor([P, P + 1, P + 2]),  # slots
+        torch.tensor([P]),
+        visible,
+    )
+    for row, path in ((1, [a, b]), (2, [a, c])):
+        expected, _ = reference_taps(llama, prefix + path)
+        torch.testing.assert_close(logits[row], expected[-1], atol=1e-5, rtol=1e-4)
+    target.commit(torch.tensor([P, P + 2]), torch.tensor([P]))  # keep a, c at P, P+1
+    slot = torch.tensor([P + 2])
+    logits, _ = target.forward(torch.tensor([x]), slot, slot, slot)
+    expected, _ = reference_taps(llama, prefix + [a, c, x])
+    torch.testing.assert_close(logits[0], expected[-1], atol=1e-5, rtol=1e-4)
+
+
+def test_greedy_matches_the_eager_loop(llama, qwen3, engine):
+    reference = Target(llama)
+    for ids in PROMPTS:
+        expected = greedy_decode(reference, ids, NEW, set())
+        got = engine.greedy(ids, NEW, set())
+        assert got.output_ids == expected.output_ids
+        assert got.finish_reason == "length" and got.accepted_lengths == []
+    stop = expected.output_ids[10]
+    got = engine.greedy(ids, NEW, {stop})
+    assert got.output_ids == greedy_decode(reference, ids, NEW, {stop}).output_ids
+    assert got.finish_reason == "stop"
+    ids = PROMPTS[2]
+    got = Engine(qwen3, MAX_LEN).greedy(ids, NEW, set())
+    assert got.output_ids == greedy_decode(Target(qwen3), ids, NEW, set()).output_ids
+
+
+def test_dflash_matches_the_eager_loop(llama, drafter, engine):
+    reference = Target(llama, TAPS)
+    seen = set()
+    for ids in PROMPTS:
+        expected = speculative_decode(reference, DFlashProposer(drafter), ids, NEW, set())
+        got = engine.dflash(ids, NEW, set())
+        assert got.output_ids == expected.output_ids
+        assert got.accepted_lengths == expected.accepted_lengths
+        assert got.drafted == expected.drafted == [BLOCK - 1] * len(got.accepted_lengths)
+        assert got.finish_reason == expected.finish_reason
+        seen |= set(got.accepted_lengths)
+    assert {1, BLOCK} <= seen and len(seen) > 2  # rejections, full blocks and partial ones
+    stop = expected.output_ids[-5]
+    expected = speculative_decode(reference, DFlashProposer(drafter), ids, NEW, {stop})
+    got = engine.dflash(ids, NEW, {stop})
+    assert (got.output_ids, got.accepted_lengths) == (
+        expected.output_ids,
+        expected.accepted_lengths,
+    )
+    assert got.finish_reason == "stop"
+
+
+@pytest.fixture(scope="module")
+def greedy_outputs(llama) -> list[list[int]]:
+    return [greedy_decode(Target(llama), ids, NEW, set()).output_ids for ids in PROMPTS]
+
+
+@pytest.mark.parametrize("budget", [1, 4, 16])
+def test_ddtree_matches_greedy_decoding(llama, engine, greedy_outputs, budget):
+    reference = Target(llama)
+    for ids, expected in zip(PROMPTS, greedy_outputs, strict=True):
+        got = engine.ddtree(ids, NEW, set(), budget, 8)
+        assert got.output_ids == expected and got.finish_reason == "length"
+        assert sum(got.accepted_lengths) >= NEW - 1  # the prefill made the first token
+        assert all(1 <= n <= min(budget, BLOCK - 1) + 1 for n in got.accepted_lengths)
+        assert got.drafted == [budget] * len(got.accepted_lengths)  # 8 + 8^2 + 8^3 >= 16
+    stop = expected[-5]
+    got = engine.ddtree(ids, NEW, {stop}, budget, 8)
+    assert got.output_ids == greedy_decode(reference, ids, NEW, {stop}).output_ids
+    assert got.finish_reason == "stop"
+
+
+def test_ddtree_chain_accepts_as_dflash_and_a_wider_tree_no_less(llama, drafter, engine):
+    """top_k 1 and budget B-1: the tree is the DFlash chain. With a confident drafter (the same
+    drafts, sharper log-probs) the chain is inside the budget-16 tree, so tau does not drop."""
+    for ids in PROMPTS:
+        chain = engine.ddtree(ids, NEW, set(), BLOCK - 1, 1)
+        assert chain.accepted_lengths == engine.dflash(ids, NEW, set()).accepted_lengths
+    sure = copy.deepcopy(drafter)
+    with torch.no_grad():
+        sure.norm.weight[0] = 30.0
+    confident = Engine(llama, MAX_LEN, sure)
+    for ids in PROMPTS:
+        dflash = confident.dflash(ids, NEW, set())
+        trees = {b: confident.ddtree(ids, NEW, set(), b, 8) for b in (1, 16)}
+        assert trees[16].acceptance_length >= dflash.acceptance_length - 1e-9
+        assert trees[16].acceptance_length >= trees[1].acceptance_length - 1e-9
+        assert trees[16].output_ids == dflash.output_ids
+
+
+def test_ddtree_refuses_what_does_not_fit(llama, drafter):
+    small = Engine(llama, 24, drafter)
+    with pytest.raises(ValueError, match=r"prompt length 12 .* budget 8 \(evaluate.tree_nodes\)"):
+        small.ddtree(list(range(2, 14)), 4, set(), 8, 4)
+    with pytest.raises(ValueError, match="budget 0 .*evaluate.tree_nodes.* >= 1"):
+        small.ddtree([2, 3], 4, set(), 0, 4)
+    with pytest.raises(ValueError, match="evaluate.tree_top_k"):
+        small.ddtree([2, 3], 4, set(), 4, 0)
+    assert len(small.ddtree(list(range(2, 14)), 3, set(), 8, 4).output_ids) == 3  # 12+3+9 fits
+    with pytest.raises(ValueError, match="without a drafter"):
+        Engine(llama, 16).ddtree([2, 3], 4, set(), 4, 2)
+
+
+@pytest.mark.parametrize("sliding", [False, True])
+def test_drafter_slot_logits_match_the_proposer(llama, sliding):
+    kw = {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 5}
+    drafter = make_drafter(llama, num_layers=2, seed=2, **(kw if sliding else {}))
+    g = torch.Generator().manual_seed(0)
+    states = torch.randn(11, 2 * SIZES["hidden_size"], generator=g)
+    anchor = 77
+    proposer = DFlashProposer(drafter)
+    proposer.start([0] * 6, states[:6])
+    proposer.advance(states[6:9])
+    proposer.advance(states[9:])
+    with torch.inference_mode():
+        expected = drafter.lm_head(proposer.block_states(anchor))[1:]  # (B-1, V)
+    static = StaticDrafter(drafter, 32)
+    static.append(states[:6], 0)
+    # A verify appends all B rows; the unaccepted ones past the length must not matter.
+    static.append(torch.cat([states[6:9], torch.randn(1, states.shape[1], generator=g)]), 6)
+    static.append(torch.cat([states[9:], torch.randn(2, states.shape[1], generator=g)]), 9)
+    length, anchor_t = torch.tensor([11]), torch.tensor([anchor])
+    got = static.slot_logits(anchor_t, length)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
+    assert static.propose(anchor_t, length).tolist() == expected.argmax(-1).tolist()
+    logprobs, ids = static.top_k(anchor_t, length, 3)
+    ref_logprobs, ref_ids = torch.log_softmax(expected, -1).topk(3, dim=-1)
+    assert ids.tolist() == ref_ids.tolist()
+    torch.testing.assert_close(logprobs, ref_logprobs, atol=1e-5, rtol=1e-4)
+
+
+def test_refuses_what_does_not_fit(llama, drafter):
+    small = Engine(llama, 16, drafter)
+    with pytest.raises(ValueError, match="prompt length 12 .* block_size 4 = 20 .* max_len 16"):
+        small.dflash(list(range(2, 14)), 4, set())
+    with pytest.raises(ValueError, match="prompt length 17 .* max_len 16"):
+        small.greedy(list(range(2, 19)), 1, set())
+    assert len(small.greedy(list(range(2, 14)), 4, set()).output_ids) == 4  # 12 + 4 fits
+    with pytest.raises(ValueError, match="block_size 4 does not fit max_len 4"):
+        Engine(llama, 4, drafter)
+    with pytest.raises(ValueError, match="without a drafter"):
+        Engine(llama, 16).dflash([2, 3], 4, set())
+
+
+def test_refuses_unsupported_targets():
+    sliding = tiny(
+        Qwen3Config,
+        Qwen3ForCausalLM,
+        use_sliding_window=True,
+        sliding_window=8,
+        max_window_layers=1,
+    )
+    with pytest.raises(ValueError, match="qwen3 target has sliding-window layers"):
+        StaticTarget(sliding, 32)
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50))
+    with pytest.raises(ValueError, match="not 'gpt2'"):
+        StaticTarget(gpt2, 32)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_graphs_replay_the_eager_steps(llama, drafter):
+    model = copy.deepcopy(llama).cuda()
+    d = make_drafter(model)
+    d.load_state_dict(drafter.state_dict())
+    d = d.cuda()
+    eager = Engine(model, MAX_LEN, d, graphs=False)
+    graphed = Engine(model, MAX_LEN, d)
+    assert graphed.graphs
+    for ids in PROMPTS:
+        assert (
+            graphed.greedy(ids, NEW, set()).output_ids == eager.greedy(ids, NEW, set()).output_ids
+        )
+        want, got = eager.dflash(ids, NEW, set()), graphed.dflash(ids, NEW, set())
+        assert (got.output_ids, got.accepted_lengths) == (want.output_ids, want.accepted_lengths)
+        for budget in (4, 16):
+            want, got = (e.ddtree(ids, NEW, set(), budget, 8) for e in (eager, graphed))
+            assert (got.output_ids, got.accepted_lengths) == (
+                want.output_ids,
+                want.accepted_lengths,
+            )
+    assert graphed.captures == {
+        "greedy": 1, "draft": 1, "verify": 1, "tree_draft@k8": 1,
+        "tree_verify@4": 1, "tree_commit@4": 1, "tree_verify@16": 1, "tree_commit@16": 1,
+    }  # fmt: skip
+    assert eager.captures == {}

@@ -1,0 +1,220 @@
+"""DDTree draft trees: best-first = top-budget prefixes, ancestor masks, padding, the walk."""
+
+import itertools
+import math
+
+import pytest
+import torch
+
+from dflashpipe.tree import DraftTree, build_tree, draft_candidates, walk
+
+
+def candidates(S: int, k: int, seed: int, vocab: int = 50) -> tuple[torch.Tensor, torch.Tensor]:
+    """Real-looking slot candidates: top-k of random logits, (S, k) each."""
+    g = torch.Generator().manual_seed(seed)
+    return draft_candidates(torch.randn(S, vocab, generator=g) * 2, k)
+
+
+def brute_force(lp: torch.Tensor, budget: int) -> list[tuple[int, ...]]:
+    """Every rank prefix of every depth, summed left to right as the builder does, sorted by
+    (score desc, ranks asc); the first `budget`."""
+    rows = lp.double().tolist()
+    S, k = lp.shape
+    prefixes = []
+    for d in range(1, S + 1):
+        for ranks in itertools.product(range(k), repeat=d):
+            score = 0.0
+            for depth, r in enumerate(ranks):
+                score = score + rows[depth][r]
+            prefixes.append((-score, ranks))
+    return [ranks for _, ranks in sorted(prefixes)[:budget]]
+
+
+def node_ranks(tree: DraftTree, ids: torch.Tensor) -> list[tuple[int, ...]]:
+    """Each node's rank prefix, from its ancestors' tokens (ids are distinct within a slot)."""
+    tokens, parents, depth = tree.tokens.tolist(), tree.parents.tolist(), tree.depth.tolist()
+    out: list[tuple[int, ...]] = []
+    for i in range(tree.num_nodes):
+        rank = ids[depth[i] - 1].tolist().index(tokens[i])
+        out.append((out[parents[i]] if parents[i] >= 0 else ()) + (rank,))
+    return out
+
+
+def ancestors(tree: DraftTree, row: int) -> set[int]:
+    """Verify rows seen by `row` (0 = root), by walking parents in Python."""
+    seen, node = {0, row}, row - 1
+    while node >= 0:
+        seen.add(node + 1)
+        node = tree.parents[node].item()
+    return seen
+
+
+@pytest.mark.parametrize(("S", "k", "budget"), [(3, 3, 10), (4, 2, 30), (3, 4, 84), (2, 3, 5)])
+def test_nodes_are_the_top_budget_prefixes_in_order(S, k, budget):
+    for seed in range(3):
+        lp, ids = candidates(S, k, seed)
+        tree = build_tree(lp, ids, budget)
+        reachable = sum(k**d for d in range(1, S + 1))
+        assert tree.num_nodes == min(budget, reachable)
+        assert node_ranks(tree, ids) == brute_force(lp, budget)
+        scores = tree.scores.tolist()
+        assert scores == sorted(scores, reverse=True)
+
+
+def test_ties_follow_rank_order():
+    # Quantized log-probs: many prefixes score exactly alike; the ranks decide, as documented.
+    lp = torch.tensor([[0.0, -1.0, -1.0], [-1.0, -1.0, -2.0], [0.0, 0.0, -1.0]])
+    ids = torch.tensor([[1, 2, 3], [4, 5, 6], [7, 8, 9]])
+    for budget in range(1, 40):
+        tree = build_tree(lp, ids, budget)
+        assert node_ranks(tree, ids) == brute_force(lp, budget)
+
+
+def test_parents_precede_children_and_depths_step_by_one():
+    lp, ids = candidates(15, 8, seed=0, vocab=200)
+    tree = build_tree(lp, ids, 128)
+    parents, depth = tree.parents.tolist(), tree.depth.tolist()
+    for i, p in enumerate(parents):
+        assert p < i
+        assert depth[i] == (depth[p] + 1 if p >= 0 else 1)
+    assert tree.max_depth == max(depth)
+    assert len(tree.children) == tree.num_nodes  # no (parent, token) collides
+
+
+def test_chain_is_in_the_tree_down_to_its_deepest_level():
+    lp, ids = candidates(15, 8, seed=4, vocab=200)
+    for budget in (1, 5, 15, 40, 128):
+        tree = build_tree(lp, ids, budget)
+        node = -1
+        for d in range(tree.max_depth):
+            node = tree.children[(node, ids[d, 0].item())]
+        assert tree.depth[node].item() == tree.max_depth
+
+
+def test_chain_is_not_always_first():
+    # Slot 2 is unsure, slot 1's runner-up likely: it outranks the chain's depth-2 node.
+    lp = torch.tensor([[math.log(0.55), math.log(0.45)], [math.log(0.3), math.log(0.2)]])
+    tree = build_tree(lp, torch.tensor([[1, 2], [3, 4]]), budget=2)
+    assert tree.tokens.tolist() == [1, 2]
+    assert tree.parents.tolist() == [-1, -1]
+
+
+def test_budget_S_with_k_1_is_the_chain():
+    lp, ids = candidates(15, 1, seed=2)
+    tree = build_tree(lp, ids, budget=15)
+    assert tree.tokens.tolist() == ids[:, 0].tolist()
+    assert tree.parents.tolist() == list(range(-1, 14))
+    assert tree.depth.tolist() == list(range(1, 16))
+    assert build_tree(lp, ids, budget=128).num_nodes == 15  # nothing else is reachable
+
+
+def test_unsorted_rows_are_sorted_first():
+    lp, ids = candidates(4, 3, seed=5)
+    flip = torch.arange(2, -1, -1)
+    a, b = build_tree(lp, ids, 20), build_tree(lp[:, flip], ids[:, flip], 20)
+    assert torch.equal(a.tokens, b.tokens) and torch.equal(a.parents, b.parents)
+
+
+def test_bad_candidates_are_refused():
+    ids = torch.tensor([[1, 2]])
+    with pytest.raises(ValueError, match="log-probabilities"):
+        build_tree(torch.tensor([[0.5, -1.0]]), ids, 4)
+    with pytest.raises(ValueError, match="log-probabilities"):
+        build_tree(torch.tensor([[float("nan"), -1.0]]), ids, 4)
+    with pytest.raises(ValueError, match="repeat"):
+        build_tree(torch.tensor([[0.0, -1.0]]), torch.tensor([[3, 3]]), 4)
+    with pytest.raises(ValueError, match="shape"):
+        build_tree(torch.zeros(2, 3), torch.zeros(2, 2, dtype=torch.long), 4)
+    with pytest.raises(ValueError, match="budget"):
+        build_tree(torch.tensor([[0.0, -1.0]]), ids, 0)
+
+
+def test_attention_is_the_ancestor_sets():
+    for S, k, budget in [(15, 8, 128), (6, 3, 50), (1, 4, 3), (15, 1, 15)]:
+        lp, ids = candidates(S, k, seed=S + k, vocab=100)
+        tree = build_tree(lp, ids, budget)
+        mask = tree.attention()
+        assert mask.shape == (tree.num_valid, tree.num_valid) and mask.dtype == torch.bool
+        for row in range(tree.num_valid):
+            assert set(mask[row].nonzero().flatten().tolist()) == ancestors(tree, row)
+        assert tree.positions().tolist() == [0] + tree.depth.tolist()
+
+
+def test_padding_keeps_real_rows_and_isolates_pads():
+    lp, ids = candidates(5, 3, seed=7)
+    tree = build_tree(lp, ids, 20)
+    n, size = tree.num_valid, 32
+    real, padded = tree.attention(), tree.attention(size)
+    assert padded.shape == (size + 1, size + 1)
+    assert torch.equal(padded[:n, :n], real)
+    assert not padded[:n, n:].any()  # no real row sees a pad
+    pads = padded[n:]
+    assert pads[:, 0].all() and torch.equal(
+        pads[:, 1:], torch.eye(size + 1, dtype=torch.bool)[n:, 1:]
+    )
+    positions = tree.positions(size)
+    assert positions.tolist() == [0] + tree.depth.tolist() + [1] * (size + 1 - n)
+    inputs = tree.input_ids(anchor=99, size=size, pad_id=7)
+    assert inputs.tolist() == [99] + tree.tokens.tolist() + [7] * (size + 1 - n)
+    assert tree.input_ids(anchor=99).tolist() == [99] + tree.tokens.tolist()
+    with pytest.raises(ValueError, match="pad"):
+        tree.attention(tree.num_nodes - 1)
+
+
+def hand_tree() -> DraftTree:
+    """root ─┬─ 10 (node 0) ── 11 (node 1) ── 12 (node 2)
+    └─ 20 (node 3) ── 11 (node 4)     token 11 under two parents: the lookup keys both"""
+    lp = torch.tensor([[-0.1, -0.3, -9.0], [-0.05, -9.0, -9.5], [-0.05, -9.0, -9.5]])
+    ids = torch.tensor([[10, 20, 30], [11, 21, 31], [12, 22, 32]])
+    tree = build_tree(lp, ids, budget=5)
+    assert tree.tokens.tolist() == [10, 11, 12, 20, 11]
+    assert tree.parents.tolist() == [-1, 0, 1, -1, 3]
+    return tree
+
+
+def test_walk_full_match_takes_the_bonus_after_the_leaf():
+    tree = hand_tree()
+    greedy = [10, 11, 12, 77, 0, 0]  # row i + 1 is node i; 77 follows node 2 (the leaf 12)
+    path, bonus = walk(tree, torch.tensor(greedy))
+    assert (path, bonus) == ([0, 1, 2], 77)
+    assert tree.path_rows(path) == [0, 1, 2, 3]
+    assert [greedy[r] for r in tree.path_rows(path)] == [10, 11, 12, 77]  # accepted, bonus last
+
+
+def test_walk_mismatch_at_root_accepts_only_the_bonus():
+    assert walk(hand_tree(), [5, 11, 12, 0, 11, 0]) == ([], 5)
+
+
+def test_walk_follows_a_branch_other_than_rank_0():
+    # the target picks slot 1's runner-up (20), then 11 below it; node 4 is a leaf
+    path, bonus = walk(hand_tree(), [20, 11, 12, 0, 11, 42])
+    assert (path, bonus) == ([3, 4], 42)
+
+
+def test_walk_stops_mid_path_and_ignores_pad_rows():
+    tree = hand_tree()
+    greedy = [10, 13, 0, 0, 0, 0] + [12] * 4  # pads past row 5 never count
+    assert walk(tree, greedy) == ([0], 13)
+    with pytest.raises(ValueError, match="expected >= 6"):
+        walk(tree, [10, 11])
+
+
+def test_walk_is_lossless_against_a_greedy_oracle():
+    # The target is a fixed next-token function of the path; the walk accepts its own rollout.
+    lp, ids = candidates(6, 4, seed=9, vocab=8)
+    tree = build_tree(lp, ids, 60)
+    parents, tokens = tree.parents.tolist(), tree.tokens.tolist()
+
+    def oracle(prefix: tuple[int, ...]) -> int:
+        return hash(prefix) % 8
+
+    def prefix(node: int) -> tuple[int, ...]:
+        return () if node < 0 else prefix(parents[node]) + (tokens[node],)
+
+    greedy = [oracle(())] + [oracle(prefix(i)) for i in range(tree.num_nodes)]
+    path, bonus = walk(tree, greedy)
+    accepted = [greedy[r] for r in tree.path_rows(path)]
+    rollout: list[int] = []
+    for _ in accepted:
+        rollout.append(oracle(tuple(rollout)))
+    assert accepted == rollout and accepted[-1] == bonus
