@@ -1,17 +1,26 @@
-"""Shared fixtures: small real files of every prompt source kind, and config builders."""
+"""Shared fixtures: small real files of every prompt source kind, config builders, and the
+expensive objects built once per test run (tiny target, tiny features, the default workflow's
+run), shared across pytest-xdist workers by `shared_dir` (tests/README.md: where the time goes).
+"""
 
 from __future__ import annotations
 
 import copy
 import gzip
 import json
+import os
 import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import yaml
+from filelock import FileLock
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = Path(__file__).resolve().parent / "data"
@@ -73,6 +82,23 @@ def write_yaml(path: Path, obj: dict) -> Path:
     return path
 
 
+def shared_dir(tmp_path_factory, name: str, build: Callable[[Path], None]) -> Path:
+    """A directory built once per test run by `build(dir)`, whichever test or pytest-xdist worker
+    asks first; the others wait on a file lock and read the finished one. Tests that read it must
+    not change it (copy what they break)."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the run's directory, above every worker's own
+    out, done = root / name, root / f"{name}.done"
+    with FileLock(str(root / f"{name}.lock")):
+        if not done.exists():
+            shutil.rmtree(out, ignore_errors=True)
+            out.mkdir()
+            build(out)
+            done.touch()
+    return out
+
+
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     """resources/smollm2 with the real SmolLM2-135M-Instruct GGUF (retrieved once, then reused)."""
@@ -93,60 +119,68 @@ SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 def tiny_target_dir(smollm2_dir, tmp_path_factory) -> Path:
     """A local HF target: SmolLM2's real tokenizer and chat template on a 2-layer, hidden-64
     Llama with seeded random weights (fast enough for CPU tests of the target-side stages)."""
-    import torch
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    out = tmp_path_factory.mktemp("tiny-target")
-    tok = AutoTokenizer.from_pretrained(
-        str(smollm2_dir), gguf_file=SMOLLM2_GGUF, local_files_only=True
-    )
-    tok.save_pretrained(out)
-    config = LlamaConfig(
-        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, tie_word_embeddings=True,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(out)
-    return out
+    def build(out: Path) -> None:
+        import torch
+        from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+        tok = AutoTokenizer.from_pretrained(
+            str(smollm2_dir), gguf_file=SMOLLM2_GGUF, local_files_only=True
+        )
+        tok.save_pretrained(out)
+        config = LlamaConfig(
+            vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+            bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, tie_word_embeddings=True,
+        )  # fmt: skip
+        torch.manual_seed(0)
+        LlamaForCausalLM(config).save_pretrained(out)
+
+    return shared_dir(tmp_path_factory, "tiny-target", build)
+
+
+TINY_FEATURES_RAW = {
+    "prompts": {"sources": [{"name": "x", "kind": "jsonl", "path": "unused.jsonl"}]},
+    "regenerate": {"enabled": False, "shards": 2},
+    "extract": {"max_length": 256, "token_budget": 512},
+    "drafter": {"target_layer_ids": [0, 1], "num_layers": 1, "block_size": 8},
+    "train": {"max_length": 256, "num_anchors": 16, "log_every": 2, "checkpoint_every": 4,
+              "num_workers": 0, "epochs": 2, "lr": 3e-3},
+}  # fmt: skip
 
 
 @pytest.fixture(scope="session")
 def tiny_features(tiny_target_dir, tmp_path_factory) -> dict:
     """Two real feature shards + manifest of the tiny target (24 samples of the datasets' own
     answers, taps [0, 1]), and the config dict that made them."""
-    from dflashpipe.config import Config
-    from dflashpipe.extract import run as extract
-    from dflashpipe.prompts import Prompt, prompt_key, write_prompts
-    from dflashpipe.regenerate import run as regenerate
-    from dflashpipe.shards import build_manifest
-    from dflashpipe.storage import write_json
+    raw = {"target": {"model": str(tiny_target_dir)}, **copy.deepcopy(TINY_FEATURES_RAW)}
 
-    out = tmp_path_factory.mktemp("features")
-    answer = "Sure. " + "This is a longer answer with several words in it. " * 4
-    prompts = []
-    for i in range(24):
-        msgs = [{"role": "user", "content": f"Question {i}? " + "more words " * (i % 7)}]
-        prompts.append(
-            Prompt(prompt_key(msgs), "t", str(i), 0, msgs, answer[: 40 + 9 * i], f"f:{i}")
-        )
-    write_prompts(out / "train.parquet", prompts)
-    raw = {
-        "target": {"model": str(tiny_target_dir)},
-        "prompts": {"sources": [{"name": "x", "kind": "jsonl", "path": "unused.jsonl"}]},
-        "regenerate": {"enabled": False, "shards": 2},
-        "extract": {"max_length": 256, "token_budget": 512},
-        "drafter": {"target_layer_ids": [0, 1], "num_layers": 1, "block_size": 8},
-        "train": {"max_length": 256, "num_anchors": 16, "log_every": 2, "checkpoint_every": 4,
-                  "num_workers": 0, "epochs": 2, "lr": 3e-3},
-    }  # fmt: skip
-    cfg = Config.from_dict(raw)
-    shards = []
-    for i in range(2):
-        regenerate(cfg, str(out / "train.parquet"), i, str(out / f"seq-{i}.parquet"))
-        shards.append(out / f"shard-{i:05d}.arrow")
-        extract(cfg, str(out / f"seq-{i}.parquet"), i, str(shards[-1]))
-    write_json(out / "manifest.json", build_manifest(shards))
+    def build(out: Path) -> None:
+        from dflashpipe.config import Config
+        from dflashpipe.extract import run as extract
+        from dflashpipe.prompts import Prompt, prompt_key, write_prompts
+        from dflashpipe.regenerate import run as regenerate
+        from dflashpipe.shards import build_manifest
+        from dflashpipe.storage import write_json
+
+        answer = "Sure. " + "This is a longer answer with several words in it. " * 4
+        prompts = []
+        for i in range(24):
+            msgs = [{"role": "user", "content": f"Question {i}? " + "more words " * (i % 7)}]
+            prompts.append(
+                Prompt(prompt_key(msgs), "t", str(i), 0, msgs, answer[: 40 + 9 * i], f"f:{i}")
+            )
+        write_prompts(out / "train.parquet", prompts)
+        cfg = Config.from_dict(raw)
+        shards = []
+        for i in range(2):
+            regenerate(cfg, str(out / "train.parquet"), i, str(out / f"seq-{i}.parquet"))
+            shards.append(out / f"shard-{i:05d}.arrow")
+            extract(cfg, str(out / f"seq-{i}.parquet"), i, str(shards[-1]))
+        write_json(out / "manifest.json", build_manifest(shards))
+
+    out = shared_dir(tmp_path_factory, "features", build)
+    shards = [out / f"shard-{i:05d}.arrow" for i in range(2)]
     return {"dir": out, "manifest": out / "manifest.json", "shards": shards, "raw": raw}
 
 
@@ -156,5 +190,151 @@ def small_default_config(path: Path) -> Path:
     raw["prompts"]["max_train"] = 8
     raw["regenerate"].update(max_new_tokens=8, batch_size=4, save_every=4)
     raw["train"].update(max_steps=3, log_every=1, num_workers=1)
-    raw["evaluate"].update(num_prompts=2, max_new_tokens=8)
+    raw["evaluate"].update(num_prompts=2, max_new_tokens=8, tree_nodes=[4])  # one DDTree budget
     return write_yaml(path, raw)
+
+
+def tiny_workflow_config(path: Path, target: Path, data_dir: Path) -> Path:
+    """The whole workflow on the tiny target over the fixture sources: every stage, each job
+    a few seconds (for tests of scheduling and recovery, not of the model)."""
+    raw = base_config(data_dir, max_train=8, min_chars=1)
+    raw["target"] = {"model": str(target)}
+    raw.update(
+        regenerate={"shards": 2, "batch_size": 4, "max_new_tokens": 8, "save_every": 4},
+        extract={"max_length": 256, "token_budget": 512},
+        drafter={"target_layer_ids": [0, 1], "num_layers": 1, "block_size": 8},
+        train={"max_steps": 4, "checkpoint_every": 2, "log_every": 1, "num_workers": 0,
+               "num_anchors": 16, "max_length": 256},
+        evaluate={"num_prompts": 2, "max_new_tokens": 8, "tree_nodes": [4]},
+    )  # fmt: skip
+    return write_yaml(path, raw)
+
+
+SNAKEMAKE = [sys.executable, "-m", "snakemake", "--snakefile", str(REPO / "Snakefile")]
+
+
+def snakemake(workdir: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    cmd = [*SNAKEMAKE, "--directory", str(workdir), *args]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if check and done.returncode != 0:
+        raise AssertionError(
+            f"{' '.join(cmd)} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+        )
+    return done
+
+
+@pytest.fixture(scope="session")
+def default_workflow(smollm2_dir, tmp_path_factory) -> Path:
+    """One `snakemake --cores N` run of the embedded default with fewer prompts, tokens and steps
+    (small_default_config): retrieve, prompts, two regenerate and two extract shards with the
+    real SmolLM2 target, the manifest, training to an exported drafter, its evaluation and the
+    report. Every test that only reads a default run's outputs reads this one."""
+
+    def build(work: Path) -> None:
+        config = small_default_config(work / "small.yaml")
+        (work / "resources").symlink_to(REPO / "resources")  # reuse the 93 MB model download
+        snakemake(work, "--cores", str(worker_cores()), "--configfile", str(config))
+
+    return shared_dir(tmp_path_factory, "default-workflow", build)
+
+
+# --------------------------------------------------------------------- the suite's own time
+SUITE_BUDGET_S = 12 * 60  # tests/README.md; .ci/run fails past 20 minutes
+
+
+def worker_cores() -> int:
+    """The cores one test may use: all of them, or a pytest-xdist worker's share. Two workers
+    whose torch each ran two OpenMP threads on two cores spun against each other: an evaluate
+    job took 124 s instead of 21 s."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    return max(1, (os.cpu_count() or 1) // workers)
+
+
+def pytest_configure(config):
+    """Each worker's torch, and every job it starts (OMP_NUM_THREADS is inherited; Snakemake
+    sets it to a job's threads, which `--cores worker_cores()` caps), keeps to its share."""
+    if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+        os.environ["OMP_NUM_THREADS"] = str(worker_cores())
+        if "torch" in sys.modules:
+            sys.modules["torch"].set_num_threads(worker_cores())
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (--dist worksteal, which hands each worker one contiguous slice of the
+    collection and later moves queued tests, never running ones), the long end-to-end tests are
+    dealt out longest first to the least loaded worker and put at the head of that worker's
+    slice: each worker starts on its own long tests, and the short ones fill in around them.
+    A test that would wait for a long one (PAIRED) goes next to it, on the same worker."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    paired = {i.originalname: i for i in items if i.originalname in PAIRED_NAMES}
+    longs = sorted((i for i in items if i.originalname in LONGEST_FIRST),
+                   key=lambda i: -LONGEST_FIRST[i.originalname])  # fmt: skip
+    mine: list[list] = [[] for _ in range(workers)]
+    load = [0.0] * workers
+    for item in longs:
+        w = load.index(min(load))
+        before, after = PAIRED.get(item.originalname, (None, None))
+        mine[w] += [paired.pop(n) for n in (before,) if n in paired] + [item]
+        mine[w] += [paired.pop(n) for n in (after,) if n in paired]
+        load[w] += LONGEST_FIRST[item.originalname]
+    placed = {id(i) for queue in mine for i in queue}
+    shorts = [i for i in items if id(i) not in placed]
+    ordered, left = [], len(items)
+    for w in range(workers):  # worksteal's first split: pending // workers remaining, in turn
+        size = left // (workers - w)
+        take = max(0, size - len(mine[w]))
+        ordered += mine[w] + shorts[:take]
+        shorts, left = shorts[take:], left - size
+    items[:] = ordered + shorts
+
+
+LONGEST_FIRST = {  # seconds on the 2-core machine with two workers (tests/README.md)
+    "test_quality_driver_main_and_variants": 205,
+    "test_killed_snakemake_resumes": 195,
+    "test_every_stage_is_a_slurm_job_and_a_cancelled_one_is_retried": 155,
+    "test_workflow_outputs": 100,
+    "test_fsdp_matches_ddp_and_resumes_after_a_kill": 57,
+    "test_gguf_cache_matches_a_direct_gguf_load": 43,
+    "test_killed_run_resumes_on_the_same_curve": 41,
+    "test_train_survives_kills": 36,
+    "test_regenerate_survives_kills": 31,
+    "test_extract_survives_kills": 24,
+    "test_extract_on_a_full_disk": 20,
+}
+PAIRED = {  # (runs just before, runs just after): tests that would otherwise wait on a lock
+    # the two SLURM tests share one cluster, one at a time
+    "test_every_stage_is_a_slurm_job_and_a_cancelled_one_is_retried": (
+        "test_torchrun_rendezvous_across_two_srun_tasks", None),
+    # both read the one default workflow run, which the first of them builds
+    "test_workflow_outputs": (None, "test_prompts_stage_of_the_default_workflow"),
+}  # fmt: skip
+PAIRED_NAMES = {n for pair in PAIRED.values() for n in pair if n}
+
+
+def pytest_sessionstart(session):
+    session.config._dflashpipe_start = time.monotonic()
+
+
+SLURM_STATE = "slurm-cluster"  # shared_dir name of the SLURM tests' cluster (test_slurm.py)
+CLUSTER = Path(__file__).parent / "slurm" / "cluster.sh"
+
+
+def pytest_sessionfinish(session):
+    """Stop the SLURM tests' cluster once the whole run is over (in the controller under
+    pytest-xdist: the workers are done by then)."""
+    if hasattr(session.config, "workerinput"):
+        return
+    state = session.config._tmp_path_factory.getbasetemp() / SLURM_STATE
+    if (state / "started").exists():
+        subprocess.run([str(CLUSTER), "stop", str(state)], check=False, capture_output=True)
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    if hasattr(config, "workerinput"):
+        return
+    took = time.monotonic() - config._dflashpipe_start
+    verdict = "within" if took <= SUITE_BUDGET_S else "OVER"
+    terminalreporter.write_line(
+        f"dflashpipe test suite: {took / 60:.1f} min ({took:.0f} s), {verdict} its "
+        f"{SUITE_BUDGET_S // 60}-minute budget on 2 cores (tests/README.md)"
+    )

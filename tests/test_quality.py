@@ -1,6 +1,8 @@
 """benchmarks/quality.py, the quality benchmark's driver, on the CPU with tiny sizes: the recipe
-(configs/smollm2-sharegpt.yaml, real SmolLM2 target) runs end to end, a variant reuses the main
-run's finished stages instead of redoing them, and the summary table reports both."""
+(configs/smollm2-sharegpt.yaml: its retrieved ShareGPT, HumanEval and code wheels, its stages and
+overlays) runs end to end on the tiny target (SmolLM2's tokenizer, 2 layers: the driver is under
+test, not the model; the real SmolLM2 runs in test_workflow), a variant reuses the main run's
+finished stages instead of redoing them, and the summary table reports both."""
 
 import importlib.util
 import json
@@ -9,16 +11,16 @@ import sys
 import tarfile
 
 import pytest
-from conftest import REPO, write_yaml
+from conftest import REPO, worker_cores, write_yaml
 
 TINY = {
     "prompts": {"max_train": 8},
     "regenerate": {"shards": 1, "batch_size": 4, "max_new_tokens": 8, "save_every": 4},
     "extract": {"max_length": 512, "token_budget": 4096},
-    "drafter": {"num_layers": 1},
+    "drafter": {"num_layers": 1, "target_layer_ids": [0, 1]},  # the tiny target has 2 layers
     "train": {"max_steps": 2, "micro_batch_tokens": 512, "num_anchors": 32, "tokens_per_step": None,
               "log_every": 1, "num_workers": 1, "val_samples": 2},
-    "evaluate": {"num_prompts": 2, "max_new_tokens": 8, "workers": 1},
+    "evaluate": {"num_prompts": 2, "max_new_tokens": 8, "workers": 1, "tree_nodes": [4]},
 }  # fmt: skip
 
 
@@ -37,11 +39,14 @@ def _load_quality():
 
 
 @pytest.mark.slow
-def test_quality_driver_main_and_variants(tmp_path, smollm2_dir):
-    tiny = write_yaml(tmp_path / "tiny.yaml", TINY)
+def test_quality_driver_main_and_variants(tmp_path, smollm2_dir, tiny_target_dir):
+    tiny = write_yaml(
+        tmp_path / "tiny.yaml",
+        {"target": {"model": str(tiny_target_dir), "gguf_file": None}, **TINY},
+    )
     runs = tmp_path / "runs"
     cmd = [sys.executable, str(REPO / "benchmarks" / "quality.py"), "main", "bf16", "dataset-answers", "mixed",
-           "code-answers", "code", "--runs", str(runs), "--configfile", str(tiny), "--cores", "2",
+           "code-answers", "code", "--runs", str(runs), "--configfile", str(tiny), "--cores", str(worker_cores()),
            "--out", str(tmp_path / "rows.json"), "--bundle", str(tmp_path / "logs.tar.gz")]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=1500)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

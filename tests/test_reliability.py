@@ -24,7 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from conftest import REPO
+from conftest import REPO, worker_cores
 
 from dflashpipe import faults
 from dflashpipe.config import Config
@@ -278,27 +278,11 @@ def test_extract_on_a_full_disk(tmp_path, tiny_target_dir, tiny_features, small_
 RESUME_FLAGS = ("--rerun-incomplete",)  # README "Interrupted runs": unlock, then these
 
 
-def _workflow_config(tmp_path: Path, target: Path, data_dir: Path) -> Path:
-    from conftest import base_config, write_yaml
-
-    raw = base_config(data_dir, max_train=8, min_chars=1)
-    raw["target"] = {"model": str(target)}
-    raw.update(
-        regenerate={"shards": 2, "batch_size": 4, "max_new_tokens": 8, "save_every": 4},
-        extract={"max_length": 256, "token_budget": 512},
-        drafter={"target_layer_ids": [0, 1], "num_layers": 1, "block_size": 8},
-        train={"max_steps": 4, "checkpoint_every": 2, "log_every": 1, "num_workers": 0,
-               "num_anchors": 16, "max_length": 256},
-        evaluate={"num_prompts": 2, "max_new_tokens": 8},
-    )  # fmt: skip
-    return write_yaml(tmp_path / "workflow.yaml", raw)
-
-
 def _snakemake(work: Path, config: Path, *extra: str) -> subprocess.Popen:
     import sys
 
     cmd = [sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "--directory",
-           str(work), "--configfile", str(config), "--cores", "2", *extra]  # fmt: skip
+           str(work), "--configfile", str(config), "--cores", str(worker_cores()), *extra]  # fmt: skip
     log = (work.parent / f"{work.name}.log").open("a")
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
@@ -316,7 +300,9 @@ def test_killed_snakemake_resumes(tmp_path, tiny_target_dir, data_dir):
     loss curve, and no temporary files."""
     import time
 
-    config = _workflow_config(tmp_path, tiny_target_dir, data_dir)
+    from conftest import tiny_workflow_config
+
+    config = tiny_workflow_config(tmp_path / "workflow.yaml", tiny_target_dir, data_dir)
     ref = tmp_path / "reference"
     ref.mkdir()
     start = time.monotonic()

@@ -12,7 +12,8 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO, small_default_config
+from conftest import CLUSTER, REPO, SLURM_STATE, shared_dir, tiny_workflow_config
+from filelock import FileLock
 
 pytestmark = [
     pytest.mark.slow,
@@ -25,31 +26,44 @@ pytestmark = [
         "mariadb-server (it starts and stops its own one-node cluster)",
     ),
 ]
-CLUSTER = Path(__file__).parent / "slurm" / "cluster.sh"
 GPU_RULES = ("regenerate_shard", "extract_shard", "train", "evaluate")
 CPU_OVERRIDES = [
     "--default-resources", "mem_mb=1000", "runtime=10", "cpus_per_task=1",
     "--set-resources",
     *[f"{rule}:{key}={value}" for rule in GPU_RULES
       for key, value in (("gpu", 0), ("cpus_per_gpu", 0), ("mem_mb", 2000))],
-    "--slurm-init-seconds-before-status-checks", "2", "--seconds-between-status-checks", "3",
+    "--set-threads", *[f"{rule}=1" for rule in (*GPU_RULES, "prompts", "extract_manifest", "report")],
+    "--slurm-init-seconds-before-status-checks", "1", "--seconds-between-status-checks", "1",
 ]  # fmt: skip
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def cluster(tmp_path_factory):
-    state = tmp_path_factory.mktemp("slurm")
+    """One cluster for the run, started by the first test (or pytest-xdist worker) that asks and
+    stopped when the whole run ends (conftest.pytest_sessionfinish): the two tests may run on
+    two workers at once, and a second start would stop the first's daemons."""
+    state = shared_dir(tmp_path_factory, SLURM_STATE, start_cluster)
+    failed = state / "failed.txt"
+    if failed.exists():  # the machine cannot run the daemons (e.g. a restricted container)
+        pytest.skip(f"cannot start a one-node SLURM cluster here: {failed.read_text()[-500:]}")
+    # One test at a time on the 2-CPU node: beside the workflow's jobs, the rendezvous's srun
+    # waited for CPUs past its timeout. conftest.LONGEST_FIRST puts the two tests side by side,
+    # so the lock rarely makes one wait.
+    with FileLock(str(state / "use.lock")):
+        yield state
+
+
+def start_cluster(state: Path) -> None:
     started = subprocess.run([str(CLUSTER), "start", str(state)], capture_output=True, text=True)
-    if started.returncode != 0:  # the machine cannot run the daemons (e.g. a restricted container)
+    if started.returncode != 0:
         subprocess.run([str(CLUSTER), "stop", str(state)], check=False)
-        pytest.skip(f"cannot start a one-node SLURM cluster here: {started.stderr[-500:]}")
-    yield state
-    subprocess.run([str(CLUSTER), "stop", str(state)], check=False)
+        (state / "failed.txt").write_text(started.stderr)
 
 
-def _workdir(tmp_path: Path) -> tuple[Path, Path]:
-    (tmp_path / "resources").symlink_to(REPO / "resources")  # the model and data, retrieved once
-    return tmp_path, small_default_config(tmp_path / "small.yaml")
+def _workdir(tmp_path: Path, target: Path, data_dir: Path) -> tuple[Path, Path]:
+    work = tmp_path / "work"
+    work.mkdir()
+    return work, tiny_workflow_config(tmp_path / "tiny.yaml", target, data_dir)
 
 
 def _snakemake(workdir: Path, config: Path, *targets: str) -> list[str]:
@@ -91,12 +105,15 @@ def test_torchrun_rendezvous_across_two_srun_tasks(cluster, tmp_path):
     assert {line[0] for line in lines} == {"0", "1"}  # two "nodes"
 
 
-def test_every_stage_is_a_slurm_job_and_a_cancelled_one_is_retried(cluster, tmp_path, smollm2_dir):
-    """The small default workflow through the SLURM profile: scancel the running train job;
+def test_every_stage_is_a_slurm_job_and_a_cancelled_one_is_retried(
+    cluster, tmp_path, tiny_target_dir, data_dir
+):
+    """The whole workflow (on the tiny target: the jobs' scheduling is under test, not the model)
+    through the SLURM profile: scancel the running train job;
     Snakemake (profile: retries, squeue states) submits it again and the workflow completes.
     sacct shows every stage as a SLURM job, all COMPLETED but the cancelled attempt."""
     since = time.strftime("%Y-%m-%dT%H:%M:%S")
-    workdir, config = _workdir(tmp_path)
+    workdir, config = _workdir(tmp_path, tiny_target_dir, data_dir)
     proc = subprocess.Popen(_snakemake(workdir, config), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)  # fmt: skip
     cancelled, deadline = None, time.time() + 900

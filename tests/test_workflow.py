@@ -1,28 +1,17 @@
 """The Snakemake workflow as a user runs it: dry run, lint, config refusal, style, and the
-prompts stage end to end on the embedded default (downloads two small wheels from PyPI)."""
+embedded default end to end (retrieves its wheels from PyPI; one run, shared by the tests that
+read it: conftest.default_workflow)."""
 
 import json
 import shutil
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO, small_default_config, write_yaml
+from conftest import REPO, snakemake, worker_cores, write_yaml
 
-SNAKEMAKE = [sys.executable, "-m", "snakemake", "--snakefile", str(REPO / "Snakefile")]
 STAGES = sorted(p.stem for p in (REPO / "workflow" / "rules").glob("*.smk") if p.stem != "common")
-
-
-def snakemake(workdir: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-    cmd = [*SNAKEMAKE, "--directory", str(workdir), *args]
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    if check and done.returncode != 0:
-        raise AssertionError(
-            f"{' '.join(cmd)} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
-        )
-    return done
 
 
 def test_dry_run_lists_every_stage(tmp_path):
@@ -61,59 +50,58 @@ def test_style_ruff_and_snakefmt():
 
 
 @pytest.mark.slow
-def test_workflow_on_default_config(tmp_path, smollm2_dir):
-    """`snakemake --cores 2` on the embedded default with fewer prompts, tokens and steps:
-    retrieve, prompts, two regenerate shards and two feature shards with the real SmolLM2
-    target, the manifest, training to an exported drafter, its evaluation and the report."""
-    config = small_default_config(tmp_path / "small.yaml")
-    (tmp_path / "resources").symlink_to(REPO / "resources")  # reuse the 93 MB model download
-    snakemake(tmp_path, "--cores", "2", "--configfile", str(config))
-    shards = sorted((tmp_path / "results" / "sequences").glob("shard-*.parquet"))
+def test_workflow_outputs(default_workflow):
+    """The default workflow's run (conftest.default_workflow, shared): two regenerate and two
+    feature shards with the real SmolLM2 target, the manifest, training to an exported drafter,
+    its evaluation and the report; the HTML report; a second run has nothing to do."""
+    work, config = default_workflow, default_workflow / "small.yaml"
+    shards = sorted((work / "results" / "sequences").glob("shard-*.parquet"))
     assert [p.name for p in shards] == ["shard-00000.parquet", "shard-00001.parquet"]
     import pyarrow.parquet as pq
 
     rows = [r for p in shards for r in pq.read_table(p).to_pylist()]
     assert len(rows) == 8 and all(sum(r["loss_mask"]) >= 1 for r in rows)
-    assert not list((tmp_path / "results" / "sequences").glob(".*parts"))
-    manifest = json.loads((tmp_path / "results" / "features" / "manifest.json").read_text())
+    assert not list((work / "results" / "sequences").glob(".*parts"))
+    manifest = json.loads((work / "results" / "features" / "manifest.json").read_text())
     assert manifest["totals"]["samples"] == 8 and manifest["layer_ids"] == [1, 14, 27]
     assert manifest["hidden_size"] == 576 and manifest["codec"] == "bf16-zstd"
     assert manifest["totals"]["tokens"] == sum(len(r["input_ids"]) for r in rows)
-    drafter = json.loads((tmp_path / "results" / "drafter" / "config.json").read_text())
+    drafter = json.loads((work / "results" / "drafter" / "config.json").read_text())
     assert drafter["dflash_config"]["target_layer_ids"] == [1, 14, 27]
-    metrics = (tmp_path / "results" / "train" / "metrics.jsonl").read_text().splitlines()
+    metrics = (work / "results" / "train" / "metrics.jsonl").read_text().splitlines()
     steps = [json.loads(m)["step"] for m in metrics]
     assert steps == list(range(1, len(steps) + 1)) and 1 <= len(steps) <= 3  # max_steps 3
-    evaluation = json.loads((tmp_path / "results" / "eval" / "metrics.json").read_text())
+    evaluation = json.loads((work / "results" / "eval" / "metrics.json").read_text())
     assert evaluation["lossless_fraction"] == 1.0 and evaluation["acceptance_length"] >= 1
     assert evaluation["baseline"]["prompt_lookup"]["acceptance_length"] >= 1
-    assert (
-        "lossless fraction (float32): **1.000**" in (tmp_path / "results" / "report.md").read_text()
-    )
-    snakemake(tmp_path, "--report", "report.html", "--configfile", str(config))
-    assert (tmp_path / "report.html").stat().st_size > 10_000
-    again = snakemake(tmp_path, "--cores", "2", "--configfile", str(config))
+    assert "lossless fraction (float32): **1.000**" in (work / "results" / "report.md").read_text()
+    # --report and the rerun write only .snakemake metadata and report.html, which no other
+    # test of the shared run reads
+    snakemake(work, "--report", "report.html", "--configfile", str(config))
+    assert (work / "report.html").stat().st_size > 10_000
+    again = snakemake(work, "--cores", str(worker_cores()), "--configfile", str(config))
+    assert "Nothing to be done" in again.stdout + again.stderr
+    again = snakemake(work, "--cores", str(worker_cores()), "prompts", "--configfile", str(config))
     assert "Nothing to be done" in again.stdout + again.stderr
 
 
 @pytest.mark.slow
-def test_prompts_stage_on_default_config(tmp_path):
-    """`snakemake --cores 2 prompts` on the embedded default: retrieve + prompts, for real."""
-    snakemake(tmp_path, "--cores", "2", "prompts", "--configfile", str(REPO / "config.yaml"))
-    out = tmp_path / "results" / "prompts"
+def test_prompts_stage_of_the_default_workflow(default_workflow):
+    """retrieve + prompts of the embedded default, for real: the whole packaged ShareGPT file
+    (truncated at its end) and HumanEval, split without overlap, max_train respected."""
+    out = default_workflow / "results" / "prompts"
+    max_train = yaml.safe_load((default_workflow / "small.yaml").read_text())["prompts"][
+        "max_train"
+    ]
     stats = json.loads((out / "stats.json").read_text())
     share, he = stats["sources"]["sharegpt"], stats["sources"]["humaneval"]
     assert share["conversations"] >= 17000 and share["dropped"]["truncated_tail"] == 1
-    assert share["train"] == 96 and share["eval"] >= 16
+    assert share["train"] == max_train and share["eval"] >= 16
     assert he["eval"] == 164 and he["train"] == 0
     import pyarrow.parquet as pq
 
     train = pq.read_table(out / "train.parquet").to_pylist()
     evals = pq.read_table(out / "eval.parquet").to_pylist()
+    assert len(train) == max_train
     assert {r["prompt_id"] for r in train}.isdisjoint(r["prompt_id"] for r in evals)
     assert all(r["messages"][-1]["role"] == "user" for r in train + evals)
-    # rerunning does nothing: every output is up to date
-    again = snakemake(
-        tmp_path, "--cores", "2", "prompts", "--configfile", str(REPO / "config.yaml")
-    )
-    assert "Nothing to be done" in again.stdout + again.stderr

@@ -64,6 +64,8 @@ def launch(config_path: str, manifest: str, run_dir: str, drafter: str, metrics:
                 env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, devices))
             else:
                 env["DFLASHPIPE_DEVICE"] = "cpu"
+        # Each process's share of the cores, unless the caller chose (torchrun would make it 1)
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
         if hosts := _slurm_nodes():
             run = torchrun_command(
                 len(hosts),

@@ -415,8 +415,14 @@ def main(argv: list[str] | None = None) -> None:
     device = torch.device("cuda", local) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)
+    # The launcher sets OMP_NUM_THREADS (cores / processes unless the caller set it): a CPU
+    # thread more than the process's share of the cores makes OpenMP spin against its
+    # neighbours, which slowed 2-core runs several-fold.
+    threads = os.environ.get("OMP_NUM_THREADS")
     torch.set_num_threads(
-        max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+        int(threads)
+        if threads
+        else max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     )
     run_dir = Path(args.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -13,18 +13,23 @@ stop() {
   done
   # Only this test's daemons run on a CI machine: make sure none survives (ports, sockets).
   for name in slurmd slurmctld slurmdbd mariadbd munged; do pkill -x "$name" 2>/dev/null || true; done
-  for _ in $(seq 20); do
+  for _ in $(seq 50); do
     alive=0
     for name in slurmd slurmctld slurmdbd mariadbd munged; do pgrep -x "$name" >/dev/null && alive=1; done
-    [[ $alive == 0 ]] && return 0
-    sleep 0.5
+    [[ $alive == 0 ]] && break
+    sleep 0.2
   done
   for name in slurmd slurmctld slurmdbd mariadbd munged; do pkill -9 -x "$name" 2>/dev/null || true; done
+  # With a slurm.conf naming a controller that is gone, every `scontrol show config` waits
+  # 9 s for it, and the Snakemake SLURM plugin runs one each time Snakemake starts (it reads
+  # MinJobAge): every later `snakemake` call of the suite would start 9 s late. Without one,
+  # scontrol fails at once, as on a machine that never ran this cluster.
+  rm -f /etc/slurm/slurm.conf /etc/slurm/slurmdbd.conf "$dir/started"
 }
 
 wait_for() {  # wait_for <seconds> <command...>
   local n=$1; shift
-  for _ in $(seq "$n"); do "$@" >/dev/null 2>&1 && return 0; sleep 1; done
+  for _ in $(seq $((n * 5))); do "$@" >/dev/null 2>&1 && return 0; sleep 0.2; done
   echo "timed out waiting for: $*" >&2; return 1
 }
 
@@ -77,7 +82,8 @@ AccountingStorageType=accounting_storage/slurmdbd
 AccountingStorageHost=localhost
 AccountingStoreFlags=job_comment
 JobAcctGatherType=jobacct_gather/linux
-NodeName=$host CPUs=$(nproc) RealMemory=8000 State=UNKNOWN
+# getconf, not nproc: nproc obeys OMP_NUM_THREADS, which each pytest-xdist worker sets to 1
+NodeName=$host CPUs=$(getconf _NPROCESSORS_ONLN) RealMemory=8000 State=UNKNOWN
 PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
 CONF
   /usr/sbin/slurmdbd
@@ -88,6 +94,7 @@ CONF
   /usr/sbin/slurmctld
   /usr/sbin/slurmd
   wait_for 30 bash -c "sinfo -h -o %T | grep -q idle"
+  touch "$dir/started"  # the test run stops the cluster at its end (tests/conftest.py)
 }
 
 "$cmd"
