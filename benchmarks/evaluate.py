@@ -1,111 +1,297 @@
-"""Decode speed of the evaluate stage's methods at SmolLM2-135M shapes, measured in one run.
+"""Cost of one decoding step: the eager loop against the static-cache engine, per model shape.
 
-Target: SmolLM2-135M-Instruct's shape (`smollm2-135m.json`: 30 layers, hidden 576) with random
-weights; drafter: 5 layers tapping [1, 8, 14, 20, 27], random. Random weights never emit an
-end-of-turn token and a random drafter is almost never accepted, so every response runs the same
-number of steps: the figures are the cost of one step of each method, which is what sizes the
-quality benchmark's evaluate stage (its wall time = steps x cost per step, per method).
+    per shape (--shapes: SmolLM2-135M, Qwen3-8B; random weights, bf16, built on the GPU and
+    freed before the next shape; drafter: 5 random layers, block 16)
+      prompts   --prompts random prompts, lengths cycling through --prompt-lens; every method
+                decodes the same ones, --new-tokens each, no stop token
+      eager     speculative.py: target-only `greedy_decode`, DFlash `speculative_decode`
+      engine    engine.py, CUDA graphs (--no-graphs-too: a second engine without): greedy,
+                dflash (draft + verify a block), ddtree@N for N in --budgets (top_k --top-k)
+      method    one warm-up decode of prompts[0] (the engine captures its graphs there, before
+                its clock starts), then every prompt timed: ms/step = decode_s / steps, median
+      check     engine.captures == 1 per step kind after every prompt: no recapture when the
+                prompt length changes (raises otherwise)
+    -> markdown table: ms/step, x the same loop's target step, x the eager target step; JSON --out
 
-    python benchmarks/evaluate.py --prompts 3 --new-tokens 96 --out $OUT/evaluate.json
+Random weights never emit a stop token and a random drafter is almost never accepted (tau ~1),
+so every decode runs the same steps and the figures are costs per step, not speedups; the
+speedup of a trained drafter is tau / (x target step). Issue goals, printed per shape: the
+engine's target step >= 10x faster than the eager one and <= 1.9 ms per token at SmolLM2 shape;
+a DFlash step <= 1.3 target steps. Run it as the only process on the GPU: a step is a few ms.
+
+    PYTHONPATH=src python benchmarks/evaluate.py --shapes smollm2 qwen3-8b --no-graphs-too \\
+        --out $OUT/evaluate.json
+    python benchmarks/evaluate.py --smoke --shapes smollm2 qwen3-8b --out /tmp/smoke.json  # CPU
+
+Figures go to benchmarks/RESULTS.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
+import time
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+import transformers
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 
+from dflashpipe.engine import Engine
 from dflashpipe.model import Drafter, DrafterConfig
 from dflashpipe.speculative import (
+    Decoded,
     DFlashProposer,
-    PromptLookupProposer,
     Target,
     greedy_decode,
     speculative_decode,
 )
 
-SHAPE = Path(__file__).with_name("smollm2-135m.json")
-TAPS = [1, 8, 14, 20, 27]
+BLOCK = 16
+DRAFTER_LAYERS = 5
+# --smoke: tiny shapes on the CPU that still take every code path (graphs are CUDA-only).
+SMOKE = dict(num_hidden_layers=4, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=16, vocab_size=1024)  # fmt: skip
+SMOKE_PROMPT_LENS = [12, 16, 19]
+SMOKE_NEW_TOKENS = 6
+GOALS = {"speedup": 10.0, "ms_per_token": 1.9, "dflash_steps": 1.3}  # the issue's targets
 
 
-def build(device: torch.device, dtype: torch.dtype, smoke: bool):
-    shape = json.loads(SHAPE.read_text())
-    if smoke:
-        shape |= dict(num_hidden_layers=4, hidden_size=64, intermediate_size=128,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16)  # fmt: skip
+@dataclass(frozen=True)
+class Shape:
+    config: type[transformers.PretrainedConfig]
+    sizes: dict
+    taps: list[int]
+
+
+SHAPES = {
+    "smollm2": Shape(
+        LlamaConfig,
+        json.loads(Path(__file__).with_name("smollm2-135m.json").read_text()),
+        [1, 8, 14, 20, 27],
+    ),
+    "qwen3-8b": Shape(
+        Qwen3Config,
+        dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+             num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+             max_position_embeddings=40960, rms_norm_eps=1e-6, tie_word_embeddings=False,
+             rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+        [1, 9, 17, 25, 33],
+    ),
+}  # fmt: skip
+
+
+def say(*what) -> None:
+    """Progress, flushed: a run cut short by a time limit still shows where it was."""
+    print(time.strftime("%H:%M:%S"), *what, flush=True)
+
+
+def build(shape: Shape, device: torch.device, dtype: torch.dtype, smoke: bool):
+    """Random target and drafter, created on `device` in `dtype` (an 8B model initialized on the
+    CPU takes minutes, and in float32 twice the memory)."""
+    sizes = shape.sizes | (SMOKE if smoke else {})
+    taps = [t for t in shape.taps if t < sizes["num_hidden_layers"]]
     torch.manual_seed(0)
-    with device:
-        target = LlamaForCausalLM(LlamaConfig(**shape, attn_implementation="sdpa"))
-    target = target.to(dtype).eval().requires_grad_(False)
-    taps = [t for t in TAPS if t < shape["num_hidden_layers"]]
-    cfg = DrafterConfig.from_target(
-        target.config, mask_token_id=0, num_layers=5, block_size=16, target_layer_ids=taps
-    )
-    drafter = Drafter.from_target_model(cfg, target).to(device)
-    drafter.reset_parameters()
-    return target, drafter.to(dtype).eval(), taps
+    with torch.device(device):
+        config = shape.config(**sizes, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        cfg = DrafterConfig.from_target(
+            model.config,
+            mask_token_id=0,
+            num_layers=2 if smoke else DRAFTER_LAYERS,
+            block_size=BLOCK,
+            target_layer_ids=taps,
+        )
+        drafter = Drafter.from_target_model(cfg, model)  # shares the target's embedding, head
+    model.eval().requires_grad_(False)
+    return model, drafter.to(dtype).eval().requires_grad_(False), taps
 
 
-def per_step(decoded) -> float:
-    """Seconds per decode step (a verify forward, or one token for target-only)."""
-    steps = len(decoded.accepted_lengths) or decoded.decode_tokens
-    return decoded.decode_s / max(1, steps)
+def make_prompts(lengths: list[int], n: int, vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(0)
+    return [
+        torch.randint(10, vocab, (lengths[i % len(lengths)],), generator=g).tolist()
+        for i in range(n)
+    ]
 
 
-def measure(device, dtype, prompts, new_tokens, smoke) -> dict:
-    model, drafter, taps = build(device, dtype, smoke)
-    target = Target(model, taps)
+def summarize(runs: list[Decoded]) -> dict:
+    """Medians over prompts; a step is a verify forward (with its draft), or one target token."""
+    steps = [len(r.accepted_lengths) or r.decode_tokens for r in runs]
+    return {
+        "ms_per_step": 1e3
+        * statistics.median(r.decode_s / max(1, s) for r, s in zip(runs, steps, strict=True)),
+        "ms_prefill": 1e3 * statistics.median(r.prefill_s for r in runs),
+        "steps": statistics.median(steps),
+        "tau": statistics.median(r.acceptance_length or 1.0 for r in runs),
+        "decode_tokens_per_s": statistics.median(r.decode_tokens_per_s for r in runs),
+    }
+
+
+def time_method(name: str, fn, prompts: list[list[int]]) -> dict:
+    fn(prompts[0])  # warm-up, untimed: graph capture, allocator, kernel selection
+    row = summarize([fn(p) for p in prompts])
+    say(f"  {name:<28}{row['ms_per_step']:8.2f} ms/step  tau {row['tau']:.2f}")
+    return row
+
+
+def check_captures(engine: Engine, label: str, prompts: list[list[int]]) -> dict[str, int]:
+    """Every step kind the engine ran (engine.steps) captured exactly once with graphs, never
+    without: a recapture would mean a prompt length leaked into a step's shapes."""
+    captures = dict(engine.captures)
+    expected = {kind: 1 for kind in engine.steps} if engine.graphs else {}
+    if captures != expected:
+        lengths = sorted({len(p) for p in prompts})
+        raise RuntimeError(
+            f"{label}: graph captures {captures} after prompts of lengths {lengths}; expected "
+            f"{expected} (one capture per step kind)"
+        )
+    return captures
+
+
+def measure_engine(model, drafter, graphs: bool, max_len: int, prompts, args) -> tuple:
+    label = "engine" if graphs else "engine (no graphs)"
+    engine = Engine(model, max_len, drafter, graphs=graphs)
+    new = args.new_tokens
     methods = {
-        "target": lambda ids: greedy_decode(target, ids, new_tokens, set()),
-        "dflash": lambda ids: speculative_decode(
-            target, DFlashProposer(drafter), ids, new_tokens, set()
+        "target": partial(engine.greedy, max_new_tokens=new, stop_ids=set()),
+        "dflash": partial(engine.dflash, max_new_tokens=new, stop_ids=set()),
+    }
+    for b in args.budgets:
+        methods[f"ddtree@{b}"] = partial(
+            engine.ddtree, max_new_tokens=new, stop_ids=set(), budget=b, top_k=args.top_k
+        )
+    rows = {f"{label} {m}": time_method(f"{label} {m}", fn, prompts) for m, fn in methods.items()}
+    captures = check_captures(engine, label, prompts)
+    say(f"  {label} captures per step kind: {captures}")
+    return label, rows, captures
+
+
+def measure_shape(name: str, args, device: torch.device, dtype: torch.dtype) -> dict:
+    model, drafter, taps = build(SHAPES[name], device, dtype, args.smoke)
+    prompts = make_prompts(args.prompt_lens, args.prompts, model.config.vocab_size)
+    new = args.new_tokens
+    params = sum(p.numel() for p in model.parameters()) / 1e6
+    say(f"{name}: {type(model).__name__}, {params:,.1f} M parameters, taps {taps}, "
+        f"prompt lengths {[len(p) for p in prompts]}, {new} new tokens")  # fmt: skip
+    target = Target(model, taps)
+    rows = {
+        "eager target": time_method(
+            "eager target", lambda ids: greedy_decode(target, ids, new, set()), prompts
         ),
-        "prompt_lookup": lambda ids: speculative_decode(
-            target, PromptLookupProposer(10, 2), ids, new_tokens, set()
+        "eager dflash": time_method(
+            "eager dflash",
+            lambda ids: speculative_decode(target, DFlashProposer(drafter), ids, new, set()),
+            prompts,
         ),
     }
-    out = {}
-    for name, fn in methods.items():
-        fn(prompts[0])  # warm-up
-        runs = [fn(p) for p in prompts]
-        out[name] = {
-            "ms_per_step": 1e3 * statistics.median(per_step(r) for r in runs),
-            "ms_prefill": 1e3 * statistics.median(r.prefill_s for r in runs),
-            "tokens_per_s": statistics.median(r.decode_tokens_per_s for r in runs),
-            "tau": statistics.median(r.acceptance_length or 1.0 for r in runs),
-        }
-    target.close()
+    target.close()  # its hooks would fire in no engine step, but keep the model bare
+    # prompt + new tokens + the widest step's slots past T (a block, or a tree and its root)
+    max_len = max(args.prompt_lens) + new + max(BLOCK, max(args.budgets) + 1)
+    settings = [device.type == "cuda"] + (
+        [False] if args.no_graphs_too and device.type == "cuda" else []
+    )
+    captures, loops = {}, []
+    for graphs in settings:
+        label, engine_rows, captures[label] = measure_engine(
+            model, drafter, graphs, max_len, prompts, args
+        )
+        rows |= engine_rows
+        loops.append(label)
+    add_ratios(rows)
+    out = {
+        "taps": taps,
+        "prompt_lengths": [len(p) for p in prompts],
+        "max_len": max_len,
+        "methods": rows,
+        "captures": captures,
+        "goals": goals(name, rows, loops[0]),
+    }
+    if device.type == "cuda":
+        out["peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
     return out
 
 
+def add_ratios(rows: dict[str, dict]) -> None:
+    """x target step: against the target-only step of the same loop; x eager target step:
+    against the eager loop's."""
+    eager = rows["eager target"]["ms_per_step"]
+    for name, row in rows.items():
+        loop = name.rsplit(" ", 1)[0]
+        row["x_target_step"] = row["ms_per_step"] / rows[f"{loop} target"]["ms_per_step"]
+        row["x_eager_target_step"] = row["ms_per_step"] / eager
+
+
+def goals(name: str, rows: dict[str, dict], loop: str) -> dict:
+    """The issue's targets, measured on the main engine (graphs on CUDA)."""
+    target = rows[f"{loop} target"]
+    out = {
+        "engine_speedup": rows["eager target"]["ms_per_step"] / target["ms_per_step"],
+        "engine_ms_per_token": target["ms_per_step"],
+        "dflash_target_steps": rows[f"{loop} dflash"]["x_target_step"],
+    }
+    out["met"] = {
+        "speedup": out["engine_speedup"] >= GOALS["speedup"],
+        "dflash_steps": out["dflash_target_steps"] <= GOALS["dflash_steps"],
+    }
+    if name == "smollm2":  # the ms-per-token goal is set at this shape only
+        out["met"]["ms_per_token"] = out["engine_ms_per_token"] <= GOALS["ms_per_token"]
+    return out
+
+
+def report(res: dict, shapes: list[str]) -> None:
+    for name in shapes:
+        g = res[name]["goals"]
+        ms = f", goal <= {GOALS['ms_per_token']}" if name == "smollm2" else ""
+        print(f"{name}: engine target step {g['engine_speedup']:.1f}x faster than eager "
+              f"(goal >= {GOALS['speedup']:.0f}x), "
+              f"{g['engine_ms_per_token']:.2f} ms per token{ms}; "
+              f"DFlash step {g['dflash_target_steps']:.2f} target steps "
+              f"(goal <= {GOALS['dflash_steps']}); met {g['met']}; "
+              f"captures {res[name]['captures']}")  # fmt: skip
+    print("\n| shape | method | ms/step | x target step | x eager target step |")
+    print("|---|---|---:|---:|---:|")
+    for name in shapes:
+        for method, r in res[name]["methods"].items():
+            print(f"| {name} | {method} | {r['ms_per_step']:.2f} | {r['x_target_step']:.2f} "
+                  f"| {r['x_eager_target_step']:.3f} |")  # fmt: skip
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
     ap.add_argument("--prompts", type=int, default=3)
-    ap.add_argument("--prompt-length", type=int, default=300)
-    ap.add_argument("--new-tokens", type=int, default=96)
-    ap.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"])
-    ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
+    ap.add_argument("--prompt-lens", type=int, nargs="+", default=[200, 256, 300])
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--budgets", type=int, nargs="+", default=[16, 32, 64, 128])
+    ap.add_argument("--top-k", type=int, default=8)
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--no-graphs-too", action="store_true", help="also an engine without graphs")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU, float32")
     ap.add_argument("--out", default="evaluate.json")
     args = ap.parse_args()
     device = torch.device("cpu" if args.smoke else "cuda")
-    g = torch.Generator().manual_seed(0)
-    prompts = [
-        torch.randint(10, 49152, (args.prompt_length,), generator=g).tolist()
-        for _ in range(args.prompts)
-    ]
-    res = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu"}
-    for name in args.dtypes:
-        res[name] = measure(device, getattr(torch, name), prompts, args.new_tokens, args.smoke)
-    Path(args.out).write_text(json.dumps(res, indent=2))
-    print(f"{'dtype':<10}{'method':<15}{'ms/step':>9}{'prefill ms':>12}{'tok/s':>9}{'tau':>6}")
-    for name in args.dtypes:
-        for method, r in res[name].items():
-            print(f"{name:<10}{method:<15}{r['ms_per_step']:>9.2f}{r['ms_prefill']:>12.2f}"
-                  f"{r['tokens_per_s']:>9.1f}{r['tau']:>6.2f}")  # fmt: skip
+    dtype = torch.float32 if args.smoke else getattr(torch, args.dtype)
+    if args.smoke:
+        args.prompt_lens, args.new_tokens = SMOKE_PROMPT_LENS, SMOKE_NEW_TOKENS
+    res = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "args": vars(args),
+    }
+    for name in args.shapes:
+        res[name] = measure_shape(name, args, device, dtype)
+        Path(args.out).write_text(json.dumps(res, indent=2))  # each shape kept as it finishes
+        gc.collect()  # the engine's step closures hold cycles: free the model's memory now
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
+    report(res, args.shapes)
 
 
 if __name__ == "__main__":
