@@ -139,21 +139,19 @@ def tiny_target_dir(smollm2_dir, tmp_path_factory) -> Path:
     return shared_dir(tmp_path_factory, "tiny-target", build)
 
 
-TINY_FEATURES_RAW = {
-    "prompts": {"sources": [{"name": "x", "kind": "jsonl", "path": "unused.jsonl"}]},
-    "regenerate": {"enabled": False, "shards": 2},
-    "extract": {"max_length": 256, "token_budget": 512},
-    "drafter": {"target_layer_ids": [0, 1], "num_layers": 1, "block_size": 8},
-    "train": {"max_length": 256, "num_anchors": 16, "log_every": 2, "checkpoint_every": 4,
-              "num_workers": 0, "epochs": 2, "lr": 3e-3},
-}  # fmt: skip
-
-
 @pytest.fixture(scope="session")
 def tiny_features(tiny_target_dir, tmp_path_factory) -> dict:
     """Two real feature shards + manifest of the tiny target (24 samples of the datasets' own
     answers, taps [0, 1]), and the config dict that made them."""
-    raw = {"target": {"model": str(tiny_target_dir)}, **copy.deepcopy(TINY_FEATURES_RAW)}
+    raw = {
+        "target": {"model": str(tiny_target_dir)},
+        "prompts": {"sources": [{"name": "x", "kind": "jsonl", "path": "unused.jsonl"}]},
+        "regenerate": {"enabled": False, "shards": 2},
+        "extract": {"max_length": 256, "token_budget": 512},
+        "drafter": {"target_layer_ids": [0, 1], "num_layers": 1, "block_size": 8},
+        "train": {"max_length": 256, "num_anchors": 16, "log_every": 2, "checkpoint_every": 4,
+                  "num_workers": 0, "epochs": 2, "lr": 3e-3},
+    }  # fmt: skip
 
     def build(out: Path) -> None:
         from dflashpipe.config import Config
