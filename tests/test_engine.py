@@ -20,6 +20,7 @@ from dflashpipe.kvcache import StaticDrafter, StaticTarget
 from dflashpipe.model import Drafter, DrafterConfig
 from dflashpipe.speculative import (
     DFlashProposer,
+    PromptLookupProposer,
     Target,
     greedy_decode,
     speculative_decode,
@@ -186,6 +187,27 @@ def test_dflash_matches_the_eager_loop(llama, drafter, engine):
     assert got.finish_reason == "stop"
 
 
+@pytest.mark.parametrize("num_drafts", [3, 10])
+def test_prompt_lookup_matches_the_eager_loop(llama, engine, num_drafts):
+    """Fixed-shape verify of padded host drafts: the eager loop's tokens, acceptances and
+    proposal counts (empty proposals included), on prompts whose n-grams recur."""
+    reference = Target(llama)
+    seen = set()
+    for ids in [PROMPTS[0], PROMPTS[1] * 2, PROMPTS[2]]:
+        expected = speculative_decode(reference, PromptLookupProposer(num_drafts), ids, NEW, set())
+        got = engine.lookup(ids, NEW, set(), PromptLookupProposer(num_drafts))
+        assert (got.output_ids, got.accepted_lengths, got.drafted) == (
+            expected.output_ids,
+            expected.accepted_lengths,
+            expected.drafted,
+        )
+        seen |= set(got.drafted)
+    assert 0 in seen and max(seen) == num_drafts  # target-only steps and full proposals
+    assert engine.captures == {}  # no graphs on the CPU
+    with pytest.raises(ValueError, match="max_len 64"):
+        engine.lookup(PROMPTS[2], MAX_LEN - 20, set(), PromptLookupProposer(num_drafts))
+
+
 @pytest.fixture(scope="module")
 def greedy_outputs(llama) -> list[list[int]]:
     return [greedy_decode(Target(llama), ids, NEW, set()).output_ids for ids in PROMPTS]
@@ -309,6 +331,10 @@ def test_cuda_graphs_replay_the_eager_steps(llama, drafter):
         )
         want, got = eager.dflash(ids, NEW, set()), graphed.dflash(ids, NEW, set())
         assert (got.output_ids, got.accepted_lengths) == (want.output_ids, want.accepted_lengths)
+        want, got = (
+            e.lookup(ids * 2, NEW, set(), PromptLookupProposer(3)) for e in (eager, graphed)
+        )
+        assert (got.output_ids, got.drafted) == (want.output_ids, want.drafted)
         for budget in (4, 16):
             want, got = (e.ddtree(ids, NEW, set(), budget, 8) for e in (eager, graphed))
             assert (got.output_ids, got.accepted_lengths) == (
@@ -316,7 +342,24 @@ def test_cuda_graphs_replay_the_eager_steps(llama, drafter):
                 want.accepted_lengths,
             )
     assert graphed.captures == {
-        "greedy": 1, "draft": 1, "verify": 1, "tree_draft@k8": 1,
+        "greedy": 1, "draft": 1, "verify": 1, "lookup@3": 1, "tree_draft@k8": 1,
         "tree_verify@4": 1, "tree_commit@4": 1, "tree_verify@16": 1, "tree_commit@16": 1,
     }  # fmt: skip
     assert eager.captures == {}
+
+
+def test_compiled_layers_decode_as_the_eager_ones(llama, drafter, engine):
+    """The layer functions compiled (as on a GPU, where graphs capture them) give the same
+    tokens and acceptances as the uncompiled engine; a prefill stays eager whatever its length."""
+    compiled = Engine(llama, MAX_LEN, drafter, compile=True)
+    assert compiled.compiled and not compiled.graphs and not engine.compiled
+    for ids in PROMPTS[:2]:
+        want, got = (e.greedy(ids, NEW, set()) for e in (engine, compiled))
+        assert got.output_ids == want.output_ids
+        for method, args in (("dflash", ()), ("ddtree", (4, 2))):
+            want, got = (getattr(e, method)(ids, NEW, set(), *args) for e in (engine, compiled))
+            assert (got.output_ids, got.accepted_lengths) == (
+                want.output_ids,
+                want.accepted_lengths,
+            )
+            assert max(got.accepted_lengths) > 1  # drafts were accepted: the verify path ran

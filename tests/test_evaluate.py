@@ -94,17 +94,16 @@ def test_metrics_json(tiny_target_dir, target_config, eval_table, tmp_path):
         want = {"ahead": sum(x > 0 for x in d), "tied": sum(x == 0 for x in d),
                 "behind": sum(x < 0 for x in d)}  # fmt: skip
         assert lookup["dflash_ahead"][source] == want
-    # the static engine for all but prompt lookup, each speedup against its own engine's
-    # target-only; DDTree per budget, lossless in float32 like DFlash
+    # every method on the static engine, each speedup against its target-only; DDTree per
+    # budget, lossless in float32 like DFlash
     assert metrics["engine"] == {"kind": "static", "graphs": False}
     methods = metrics["methods"]
-    assert set(methods) == {"target", "dflash", "prompt_lookup", "target_eager"}
+    assert set(methods) == {"target", "dflash", "prompt_lookup"}
     assert methods["dflash"]["acceptance_length"] == metrics["acceptance_length"]
     assert methods["dflash"]["lossless_fraction"] == 1.0
-    assert (methods["dflash"]["engine"], methods["prompt_lookup"]["engine"]) == ("static", "eager")
-    assert (
-        methods["prompt_lookup"]["speedup_against"] == lookup["speedup_against"] == "target_eager"
-    )
+    assert {m["engine"] for m in methods.values()} == {"static"}
+    assert methods["prompt_lookup"]["speedup_against"] == lookup["speedup_against"] == "target"
+    assert lookup["identical_to_target_fraction"] == 1.0
     assert set(metrics["ddtree"]) == {"2", "8"}
     for n, tree in metrics["ddtree"].items():
         assert tree["lossless_fraction"] == 1.0 and tree["first_divergence"] is None, n
@@ -149,7 +148,11 @@ def test_bf16_run_reports_agreement_and_checks_losslessness_in_float32(
             "graphs": False,
             "reason": "evaluate.engine: eager",
         }
-        assert metrics["ddtree"] == {} and "target_eager" not in metrics["methods"]
+        assert metrics["ddtree"] == {} and set(metrics["methods"]) == {
+            "target",
+            "dflash",
+            "prompt_lookup",
+        }
         assert metrics["baseline"]["prompt_lookup"]["speedup_against"] == "target"
 
 

@@ -94,13 +94,7 @@ def test_methods_and_ddtree_budgets_are_tabled_and_plotted(tmp_path):
             "target": row
             | {"acceptance_length": None, "decode_tokens_per_s": 10.0, "speedup": 1.0},
             "dflash": row | {"acceptance_length": 2.5, "speedup": 1.8, "lossless_fraction": 1.0},
-            "prompt_lookup": row
-            | {
-                "engine": "eager",
-                "acceptance_length": 1.9,
-                "speedup": 1.3,
-                "speedup_against": "target_eager",
-            },
+            "prompt_lookup": row | {"acceptance_length": 1.9, "speedup": 1.3},
         },  # fmt: skip
         "ddtree": {
             n: row | {"acceptance_length": tau, "speedup": s, "lossless_fraction": 1.0}
@@ -112,7 +106,7 @@ def test_methods_and_ddtree_budgets_are_tabled_and_plotted(tmp_path):
     md = (tmp_path / "r.md").read_text()
     assert "- engine: static, CUDA graphs" in md
     assert "| target only | static | - | 10.0 | 1.00x vs target | - |" in md
-    assert "| prompt lookup | eager | 1.900 | 18.0 | 1.30x vs target_eager | - |" in md
+    assert "| prompt lookup | static | 1.900 | 18.0 | 1.30x vs target | - |" in md
     assert "| DDTree, 32 nodes | static | 3.100 | 18.0 | 1.95x vs target | 1.000 |" in md
     assert "![ddtree](r/ddtree.png)" in md
     assert mpimg.imread(tmp_path / "r" / "ddtree.png").shape[0] > 100

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from dflashpipe.speculative import Decoded, _clock, _finish
+from dflashpipe.speculative import Decoded
 from dflashpipe.tree import build_tree, walk
 
 if TYPE_CHECKING:
@@ -145,12 +145,8 @@ class TreeSteps:
         self.commits.copy_(torch.tensor([1] + [0] * (self.block_size + 1)))
         e._capture([draft, verify, commit])
         B = self.block_size
-        t0 = _clock(e.device)
-        out = [e._prefill(prompt_ids, taps=True)]
-        t1 = _clock(e.device)
-        accepted_lengths, drafted = [], []
-        stopped = out[0] in stop_ids
-        while len(out) < max_new_tokens and not stopped:
+
+        def step(out: list[int]) -> tuple[list[int], int]:
             e._run(draft)
             candidates = self.candidates[k].cpu()  # (S, 2k): the draft's one read-back
             tree = build_tree(candidates[:, :k], candidates[:, k:].long(), budget)
@@ -169,11 +165,6 @@ class TreeSteps:
             self.commits.copy_(torch.tensor([len(path) + 1, bonus, *rows]))
             e._run(commit)
             tokens = tree.tokens.tolist()
-            new = [tokens[i] for i in path] + [bonus]
-            out += new
-            stopped = any(t in stop_ids for t in new)
-            accepted_lengths.append(len(new))
-            drafted.append(tree.num_nodes)
-        t2 = _clock(e.device)
-        out, reason = _finish(out, max_new_tokens, stop_ids)
-        return Decoded(out, reason, t1 - t0, t2 - t1, accepted_lengths, drafted)
+            return [tokens[i] for i in path] + [bonus], tree.num_nodes
+
+        return e.speculate(prompt_ids, max_new_tokens, stop_ids, True, step)

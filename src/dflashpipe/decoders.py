@@ -8,9 +8,8 @@
     target          Engine.greedy                       greedy_decode
     dflash          Engine.dflash                       speculative_decode + DFlashProposer
     ddtree@N        Engine.ddtree(N, tree_top_k)        - (no eager tree loop: not run)
-    prompt_lookup   speculative_decode + PromptLookupProposer, in both (the engine has no lookup
-                    step); beside the static engine its speedup is against `target_eager`, the
-                    eager target-only greedy, run in the same interleaving
+    prompt_lookup   Engine.lookup (host drafts,            speculative_decode +
+                    one fixed-shape verify)             PromptLookupProposer
 
 Every method decodes every prompt, interleaved per prompt so drift in machine speed hits all of
 them alike, after one untimed warm-up response each (allocator, kernels, graph capture).
@@ -77,7 +76,7 @@ class Decoders:
             else:
                 self.methods += [tree_method(n) for n in tree_nodes]
         if "prompt_lookup" in methods:
-            self.methods += ["prompt_lookup"] + (["target_eager"] if self.engine else [])
+            self.methods.append("prompt_lookup")
         self.budgets = {tree_method(n): n for n in tree_nodes}
 
     def info(self) -> dict:
@@ -89,12 +88,14 @@ class Decoders:
         e = self.engine
         if method == "target" and e is not None:
             return e.greedy(ids, n, stop_ids)
-        if method in ("target", "target_eager"):
+        if method == "target":
             return greedy_decode(self.target, ids, n, stop_ids)
         if method == "dflash" and e is not None:
             return e.dflash(ids, n, stop_ids)
         if method == "dflash":
             return speculative_decode(self.target, self.dflash, ids, n, stop_ids)
+        if method == "prompt_lookup" and e is not None:
+            return e.lookup(ids, n, stop_ids, self.lookup)
         if method == "prompt_lookup":
             return speculative_decode(self.target, self.lookup, ids, n, stop_ids)
         return e.ddtree(ids, n, stop_ids, self.budgets[method], self.top_k)

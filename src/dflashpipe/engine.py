@@ -41,9 +41,12 @@ from torch import nn
 from dflashpipe.ddtree import TreeSteps
 from dflashpipe.kvcache import StaticDrafter, StaticTarget
 from dflashpipe.model import Drafter
-from dflashpipe.speculative import Decoded, _clock, _finish
+from dflashpipe.speculative import Decoded, PromptLookupProposer, _clock, _finish
 
 WARMUP_RUNS = 3  # eager runs on a side stream before capture, as the CUDA-graph docs advise
+# Step shapes per compiled layer function: target 1 (greedy), B (verify), budget+1 per DDTree
+# budget; dynamo's default (8) would fall back to eager from the ninth.
+RECOMPILE_LIMIT = 32
 
 
 class Engine:
@@ -58,16 +61,26 @@ class Engine:
         max_len: int,
         drafter: Drafter | None = None,
         graphs: bool | None = None,
+        compile: bool | None = None,
     ):
+        weight = model.get_input_embeddings().weight
+        cuda = weight.device.type == "cuda"
+        self.graphs = cuda if graphs is None else graphs
+        if self.graphs and not cuda:
+            raise ValueError(f"CUDA graphs need a CUDA device; the target is on {weight.device}")
+        self.compiled = self.graphs if compile is None else compile
+        if self.compiled:  # one graph per step shape of each layer function (module docstring)
+            torch._dynamo.config.recompile_limit = max(
+                torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT
+            )
         layer_ids = list(drafter.config.target_layer_ids) if drafter is not None else []
-        self.target = StaticTarget(model, max_len, layer_ids)
-        self.drafter = StaticDrafter(drafter, max_len) if drafter is not None else None
+        self.target = StaticTarget(model, max_len, layer_ids, self.compiled)
+        self.drafter = (
+            StaticDrafter(drafter, max_len, self.compiled) if drafter is not None else None
+        )
         if drafter is not None:
             _check_pair(model, drafter)
         self.device, self.max_len = self.target.device, max_len
-        self.graphs = self.device.type == "cuda" if graphs is None else graphs
-        if self.graphs and self.device.type != "cuda":
-            raise ValueError(f"CUDA graphs need a CUDA device; the target is on {self.device}")
         B = self.drafter.block_size if self.drafter is not None else 1
         long = {"dtype": torch.long, "device": self.device}
         # The static state every step reads and updates in place (graph inputs and outputs).
@@ -86,6 +99,8 @@ class Engine:
         self._graphs: dict[str, torch.cuda.CUDAGraph] = {}
         self._pool = None
         self._tree: TreeSteps | None = None  # DDTree steps and buffers, made on first use
+        self.lookup_drafts: dict[int, torch.Tensor] = {}  # prompt lookup, per K: (K+1,)
+        self.lookup_packed: dict[int, torch.Tensor] = {}  # its read-back (K+2,)
 
     def _greedy_step(self) -> None:
         T = self.length  # (1,): position = slot = T
@@ -149,14 +164,16 @@ class Engine:
                 step()
         return graph
 
-    def _check_fit(self, prompt_length: int, max_new_tokens: int, slack: int) -> None:
+    def _check_fit(
+        self, prompt_length: int, max_new_tokens: int, slack: int, what: str = "block_size"
+    ) -> None:
         if prompt_length < 1 or max_new_tokens < 1:
             raise ValueError(
                 f"prompt length {prompt_length} and max_new_tokens {max_new_tokens} must be >= 1"
             )
         need = prompt_length + max_new_tokens + slack
         if need > self.max_len:
-            block = f" + block_size {slack}" if slack else ""
+            block = f" + {what} {slack}" if slack else ""
             raise ValueError(
                 f"prompt length {prompt_length} + max_new_tokens {max_new_tokens}{block} = {need} "
                 f"does not fit the engine's max_len {self.max_len}"
@@ -168,16 +185,16 @@ class Engine:
         ids = torch.tensor(prompt_ids, dtype=torch.long, device=self.device)  # (P,)
         slots = torch.arange(P, device=self.device)  # (P,)
         logits, states = self.target.forward(
-            ids, slots, slots, torch.zeros_like(self.length), taps=taps, last_only=True
+            ids, slots, slots, torch.zeros_like(self.length), taps=taps, last_only=True, eager=True
         )
         if states is not None:
-            self.drafter.append(states, 0)
+            self.drafter.append(states, 0, eager=True)
         first = logits[-1].argmax()
         self.anchor.copy_(first.view(1))
         self.length.fill_(P)
         return int(first)
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def greedy(self, prompt_ids: list[int], max_new_tokens: int, stop_ids: set[int]) -> Decoded:
         """Target-only greedy decoding, one token per step (as `speculative.greedy_decode`)."""
         self._check_fit(len(prompt_ids), max_new_tokens, 0)
@@ -192,7 +209,30 @@ class Engine:
         out, reason = _finish(out, max_new_tokens, stop_ids)
         return Decoded(out, reason, t1 - t0, t2 - t1)
 
-    @torch.inference_mode()
+    @torch.no_grad()
+    def speculate(
+        self, prompt_ids: list[int], max_new_tokens: int, stop_ids: set[int], taps: bool,
+        step: Callable[[list[int]], tuple[list[int], int]],
+    ) -> Decoded:  # fmt: skip
+        """The loop every speculative method shares: an eager prefill, then `step(tokens so
+        far)` -> (accepted tokens + bonus, drafts proposed) until max_new_tokens or a stop id.
+        Callers check the fit and capture their step kinds first."""
+        t0 = _clock(self.device)
+        out = [self._prefill(prompt_ids, taps)]
+        t1 = _clock(self.device)
+        accepted_lengths, drafted = [], []
+        stopped = out[0] in stop_ids
+        while len(out) < max_new_tokens and not stopped:
+            new, proposed = step(out)
+            out += new
+            stopped = any(t in stop_ids for t in new)
+            accepted_lengths.append(len(new))
+            drafted.append(proposed)
+        t2 = _clock(self.device)
+        out, reason = _finish(out, max_new_tokens, stop_ids)
+        return Decoded(out, reason, t1 - t0, t2 - t1, accepted_lengths, drafted)
+
+    @torch.no_grad()
     def dflash(self, prompt_ids: list[int], max_new_tokens: int, stop_ids: set[int]) -> Decoded:
         """DFlash speculative decoding (as `speculative_decode` with a `DFlashProposer`)."""
         if self.drafter is None:
@@ -200,24 +240,70 @@ class Engine:
         B = self.drafter.block_size
         self._check_fit(len(prompt_ids), max_new_tokens, B)
         self._capture(["draft", "verify"])
-        t0 = _clock(self.device)
-        out = [self._prefill(prompt_ids, taps=True)]
-        t1 = _clock(self.device)
-        accepted_lengths, drafted = [], []
-        stopped = out[0] in stop_ids
-        while len(out) < max_new_tokens and not stopped:
+
+        def step(_: list[int]) -> tuple[list[int], int]:
             self._run("draft")
             self._run("verify")
             count, *greedy = self.packed.tolist()  # the step's one read-back
-            new = greedy[:count]  # accepted drafts equal the target's tokens, then the bonus
-            out += new
-            stopped = any(t in stop_ids for t in new)
-            accepted_lengths.append(count)
-            drafted.append(B - 1)
-        t2 = _clock(self.device)
-        out, reason = _finish(out, max_new_tokens, stop_ids)
-        return Decoded(out, reason, t1 - t0, t2 - t1, accepted_lengths, drafted)
+            return greedy[:count], B - 1  # accepted drafts (= the target's tokens), the bonus
 
+        return self.speculate(prompt_ids, max_new_tokens, stop_ids, True, step)
+
+    @torch.no_grad()
+    def lookup(
+        self, prompt_ids: list[int], max_new_tokens: int, stop_ids: set[int],
+        proposer: PromptLookupProposer,
+    ) -> Decoded:  # fmt: skip
+        """Prompt lookup (as `speculative_decode` with the proposer): the host proposes up to
+        K = proposer.num_drafts tokens, padded to K; one fixed-shape verify of K+1 accepts at
+        most the real ones. A step with no proposal is a target-only step."""
+        K = proposer.num_drafts
+        self._check_fit(len(prompt_ids), max_new_tokens, K + 1, "anchor + num_drafts")
+        kind = self._lookup_kind(K)
+        self._capture(["greedy", kind])
+        proposer.start(list(prompt_ids), None)
+        tokens = list(prompt_ids)
+
+        def step(out: list[int]) -> tuple[list[int], int]:
+            tokens.extend(out[len(tokens) - len(prompt_ids) :])
+            drafts = proposer.propose(tokens)[:K]
+            if not drafts:
+                self._run("greedy")
+                return [int(self.token)], 0
+            self.lookup_drafts[K].copy_(
+                torch.tensor([len(drafts)] + drafts + [0] * (K - len(drafts)))
+            )
+            self._run(kind)
+            count, *greedy = self.lookup_packed[K].tolist()  # the step's one read-back
+            return greedy[:count], len(drafts)
+
+        return self.speculate(prompt_ids, max_new_tokens, stop_ids, False, step)
+
+    def _lookup_kind(self, K: int) -> str:
+        """The verify step of K host drafts, registered with its buffers on first use."""
+        kind = f"lookup@{K}"
+        if kind not in self.steps:
+            long = {"dtype": torch.long, "device": self.device}
+            self.lookup_drafts[K] = torch.zeros(K + 1, **long)  # [count, d_1..d_K (padded)]
+            self.lookup_packed[K] = torch.zeros(K + 2, **long)  # [n+1, g_0..g_K]
+            self.steps[kind] = lambda: self._lookup_step(K)
+        return kind
+
+    def _lookup_step(self, K: int) -> None:
+        T, plan = self.length, self.lookup_drafts[K]
+        count, drafts = plan[:1], plan[1:]  # (1,), (K,)
+        slots = T + torch.arange(K + 1, device=self.device)  # (K+1,): positions too
+        logits, _ = self.target.forward(torch.cat([self.anchor, drafts]), slots, slots, T)
+        greedy = logits.argmax(-1)  # (K+1,)
+        real = torch.arange(K, device=self.device) < count  # (K,): pads never match
+        n = ((drafts == greedy[:-1]) & real).long().cumprod(0).sum(0, keepdim=True)  # (1,)
+        self.anchor.copy_(greedy.index_select(0, n))
+        packed = self.lookup_packed[K]
+        packed[:1].copy_(n + 1)
+        packed[1:].copy_(greedy)
+        self.length.add_(n + 1)
+
+    @torch.no_grad()
     def ddtree(
         self, prompt_ids: list[int], max_new_tokens: int, stop_ids: set[int], budget: int,
         top_k: int,

@@ -78,10 +78,11 @@ class EvaluateConfig:
             raise ConfigError(f"evaluate.engine must be one of {ENGINES}, got {self.engine!r}")
 
     def slack(self, block_size: int) -> int:
-        """Positions past the committed length that one step may write: a block, or a tree of
-        the largest budget plus its root."""
+        """Positions past the committed length that one step may write: a block, a tree of the
+        largest budget plus its root, or the anchor and prompt lookup's drafts."""
         trees = max(self.tree_nodes) + 1 if "ddtree" in self.methods else 0
-        return max(block_size, trees)
+        lookup = self.prompt_lookup_num_tokens + 1 if "prompt_lookup" in self.methods else 0
+        return max(block_size, trees, lookup)
 
 
 def read_drafter_config(drafter_dir: str | Path) -> DrafterConfig:

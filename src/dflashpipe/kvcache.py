@@ -58,6 +58,71 @@ def kv_buffers(n: int, shape: tuple[int, ...], like: Tensor) -> list[Tensor]:
     return [torch.zeros(shape, dtype=like.dtype, device=like.device) for _ in range(n)]
 
 
+def target_layer(
+    layer: nn.Module, x: Tensor, k_cache: Tensor, v_cache: Tensor, cos: Tensor, sin: Tensor,
+    slots: Tensor, mask: Tensor,
+) -> Tensor:  # fmt: skip
+    """One HF Llama-family decoder layer over Q rows x (Q, H) at RoPE rows cos/sin (Q, D): its
+    new K/V written into `slots` of the static buffers (1, Hkv, L, D), attention over them under
+    the folded mask (`fold_mask`)."""
+    attn = layer.self_attn
+    h = layer.input_layernorm(x)
+    Q, D = h.shape[0], attn.head_dim
+    q = attn.q_proj(h).view(Q, -1, D)  # (Q, Hq, D)
+    k = attn.k_proj(h).view(Q, -1, D)  # (Q, Hkv, D)
+    v = attn.v_proj(h).view(Q, -1, D)  # (Q, Hkv, D)
+    if hasattr(attn, "q_norm"):  # Qwen3: per-head RMSNorm before RoPE
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    q = apply_rope(q.transpose(0, 1)[None], cos, sin)  # (1, Hq, Q, D)
+    k_cache.index_copy_(2, slots, apply_rope(k.transpose(0, 1)[None], cos, sin))
+    v_cache.index_copy_(2, slots, v.transpose(0, 1)[None])
+    y = attend_cache(q, k_cache, v_cache, mask, attn.scaling)  # (1, Hq, Q, D)
+    x = x + attn.o_proj(y[0].transpose(0, 1).reshape(Q, -1))
+    return x + layer.mlp(layer.post_attention_layernorm(x))
+
+
+def drafter_layer(
+    layer: nn.Module, x: Tensor, k_cache: Tensor, v_cache: Tensor, cos: Tensor, sin: Tensor,
+    slots: Tensor, mask: Tensor,
+) -> Tensor:  # fmt: skip
+    """One DFlash drafter layer over a block x (B, H): the block's K/V written into `slots`,
+    attention over context + block (the mask of its sliding window, folded)."""
+    attn = layer.self_attn
+    h = layer.input_layernorm(x)
+    B, D = h.shape[0], attn.head_dim
+    q = attn.q_norm(attn.q_proj(h).view(B, -1, D))  # (B, Hq, D)
+    k = attn.k_norm(attn.k_proj(h).view(B, -1, D))  # (B, Hkv, D)
+    v = attn.v_proj(h).view(B, -1, D)  # (B, Hkv, D)
+    q = apply_rope(q.transpose(0, 1)[None], cos, sin)  # (1, Hq, B, D)
+    k_cache.index_copy_(2, slots, apply_rope(k.transpose(0, 1)[None], cos, sin))
+    v_cache.index_copy_(2, slots, v.transpose(0, 1)[None])
+    y = attend_cache(q, k_cache, v_cache, mask, None)  # (1, Hq, B, D)
+    x = x + attn.o_proj(y[0].transpose(0, 1).reshape(B, -1))
+    return x + layer.mlp(layer.post_attention_layernorm(x))
+
+
+def context_rows(
+    drafter: Drafter, states: Tensor, k_caches: list[Tensor], v_caches: list[Tensor],
+    cos: Tensor, sin: Tensor, slots: Tensor,
+) -> None:  # fmt: skip
+    """Project target states (R, n_taps*H) once into every drafter layer's context K/V (k_proj
+    -> k_norm -> RoPE, v_proj) at `slots`."""
+    ctx = drafter.context(states)  # (R, H)
+    R, D = ctx.shape[0], drafter.config.head_dim
+    for layer, k_cache, v_cache in zip(drafter.layers, k_caches, v_caches, strict=True):
+        attn = layer.self_attn
+        k = attn.k_norm(attn.k_proj(ctx).view(R, -1, D))  # (R, Hkv, D)
+        v = attn.v_proj(ctx).view(R, -1, D)  # (R, Hkv, D)
+        k_cache.index_copy_(2, slots, apply_rope(k.transpose(0, 1)[None], cos, sin))
+        v_cache.index_copy_(2, slots, v.transpose(0, 1)[None])
+
+
+def compiled(fn, on: bool):
+    """fn compiled for fixed shapes (one graph per shape; a layer function is shared by every
+    layer of a model: regional compilation), or fn itself."""
+    return torch.compile(fn, fullgraph=True, dynamic=False) if on else fn
+
+
 def _aligned(n: int) -> int:
     return -(-n // CAPACITY_ALIGN) * CAPACITY_ALIGN
 
@@ -91,8 +156,11 @@ class StaticTarget:
     max_len slots per layer. Slots and positions are separate, so a tree's nodes can share a
     position while occupying their own slots."""
 
-    def __init__(self, model: nn.Module, max_len: int, layer_ids: Sequence[int] = ()):
+    def __init__(
+        self, model: nn.Module, max_len: int, layer_ids: Sequence[int] = (), compile: bool = False
+    ):
         check_target(model)
+        self.layer = compiled(target_layer, compile)
         self.model = model
         self.base = model.get_decoder()
         self.layer_ids = list(layer_ids)
@@ -127,7 +195,7 @@ class StaticTarget:
         mask = (self.cols < cache_len).repeat(Q, 1)  # (Q, L)
         return mask.index_copy_(1, slots, visible)
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def forward(
         self,
         ids: Tensor,
@@ -137,18 +205,19 @@ class StaticTarget:
         visible: Tensor | None = None,
         taps: bool = False,
         last_only: bool = False,
+        eager: bool = False,
     ) -> tuple[Tensor, Tensor | None]:
         """Logits (Q, V) (the last row only with last_only) of Q new tokens `ids` at `positions`,
         their K/V written into `slots` (all (Q,) device tensors; cache_len a one-element tensor)
-        and, with taps, the outputs of decoder layers `layer_ids` (Q, n_taps*H)."""
+        and, with taps, the outputs of decoder layers `layer_ids` (Q, n_taps*H). `eager`: the
+        uncompiled layers (a prefill, whose length changes per prompt)."""
         mask = fold_mask(self.mask(slots, cache_len, visible), self.groups)  # once for all layers
         cos, sin = self.cos[positions], self.sin[positions]  # (Q, D)
         x = self.base.embed_tokens(ids)  # (Q, H)
+        run = target_layer if eager else self.layer
         tapped = {}
         for i, layer in enumerate(self.base.layers):
-            h = layer.input_layernorm(x)
-            x = x + self._attention(i, layer.self_attn, h, cos, sin, slots, mask)
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            x = run(layer, x, self.k[i], self.v[i], cos, sin, slots, mask)
             if i in self.layer_ids:
                 tapped[i] = x
         if last_only:
@@ -157,21 +226,7 @@ class StaticTarget:
         states = torch.cat([tapped[i] for i in self.layer_ids], -1) if tapped and taps else None
         return logits, states
 
-    def _attention(self, i, attn, h, cos, sin, slots, mask) -> Tensor:
-        Q, D = h.shape[0], self.head_dim
-        q = attn.q_proj(h).view(Q, -1, D)  # (Q, Hq, D)
-        k = attn.k_proj(h).view(Q, -1, D)  # (Q, Hkv, D)
-        v = attn.v_proj(h).view(Q, -1, D)  # (Q, Hkv, D)
-        if hasattr(attn, "q_norm"):  # Qwen3: per-head RMSNorm before RoPE
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        q = apply_rope(q.transpose(0, 1)[None], cos, sin)  # (1, Hq, Q, D)
-        k = apply_rope(k.transpose(0, 1)[None], cos, sin)  # (1, Hkv, Q, D)
-        self.k[i].index_copy_(2, slots, k)
-        self.v[i].index_copy_(2, slots, v.transpose(0, 1)[None])
-        y = attend_cache(q, self.k[i], self.v[i], mask, attn.scaling)  # (1, Hq, Q, D)
-        return attn.o_proj(y[0].transpose(0, 1).reshape(Q, -1))  # (Q, H)
-
-    @torch.inference_mode()
+    @torch.no_grad()
     def commit(self, src_slots: Tensor, dst_start: Tensor | int) -> None:
         """Copy the K/V at src_slots (n,) to the contiguous slots dst_start.. (a tree's accepted
         path moved behind the prefix). The sources are gathered first, so ranges may overlap."""
@@ -185,8 +240,10 @@ class StaticDrafter:
     row is projected once (k_proj -> k_norm -> RoPE at its position, v_proj), at slot = position.
     A draft writes its block's own K/V at slots T..T+B-1 (the next append overwrites them)."""
 
-    def __init__(self, drafter: Drafter, max_len: int):
+    def __init__(self, drafter: Drafter, max_len: int, compile: bool = False):
         self.drafter = drafter
+        self.layer = compiled(drafter_layer, compile)
+        self.context_rows = compiled(context_rows, compile)
         cfg = drafter.config
         self.block_size = cfg.block_size
         if cfg.block_size + 1 > max_len:
@@ -210,19 +267,13 @@ class StaticDrafter:
         self.windows = list(dict.fromkeys(cfg.sliding_windows))
         self.groups = cfg.num_attention_heads // cfg.num_key_value_heads
 
-    @torch.inference_mode()
-    def append(self, states: Tensor, start: Tensor | int) -> None:
-        """Context rows of target states (R, n_taps*H) at slots/positions start..start+R-1."""
-        ctx = self.drafter.context(states)  # (R, H)
-        R, D = ctx.shape[0], self.drafter.config.head_dim
-        slots = start + torch.arange(R, device=self.device)  # (R,)
-        cos, sin = self.cos[slots], self.sin[slots]  # (R, D)
-        for i, layer in enumerate(self.drafter.layers):
-            attn = layer.self_attn
-            k = attn.k_norm(attn.k_proj(ctx).view(R, -1, D))  # (R, Hkv, D)
-            v = attn.v_proj(ctx).view(R, -1, D)  # (R, Hkv, D)
-            self.k[i].index_copy_(2, slots, apply_rope(k.transpose(0, 1)[None], cos, sin))
-            self.v[i].index_copy_(2, slots, v.transpose(0, 1)[None])
+    @torch.no_grad()
+    def append(self, states: Tensor, start: Tensor | int, eager: bool = False) -> None:
+        """Context rows of target states (R, n_taps*H) at slots/positions start..start+R-1
+        (`eager`: uncompiled, for a prefill's prompt-length rows)."""
+        slots = start + torch.arange(states.shape[0], device=self.device)  # (R,)
+        run = context_rows if eager else self.context_rows
+        run(self.drafter, states, self.k, self.v, self.cos[slots], self.sin[slots], slots)
 
     def masks(self, length: Tensor) -> dict[int | None, Tensor]:
         """Per sliding window (None: full) the folded (see `fold_mask`) SDPA form of
@@ -245,32 +296,20 @@ class StaticDrafter:
             out[w] = fold_mask(mask, self.groups)
         return out
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def slot_states(self, anchor: Tensor, length: Tensor) -> Tensor:
         """Final hidden states (B, H) of the block [anchor, MASK..] at positions T..T+B-1."""
         d = self.drafter
-        D = d.config.head_dim
         x = d.embed_blocks(torch.cat([anchor, self.masks_ids])[None])[0]  # (B, H)
         slots = length + self.offsets  # (B,)
         cos, sin = self.cos[slots], self.sin[slots]  # (B, D)
         masks = self.masks(length)
-        B = self.block_size
         for i, layer in enumerate(d.layers):
-            attn = layer.self_attn
-            h = layer.input_layernorm(x)
-            q = attn.q_norm(attn.q_proj(h).view(B, -1, D))  # (B, Hq, D)
-            k = attn.k_norm(attn.k_proj(h).view(B, -1, D))  # (B, Hkv, D)
-            v = attn.v_proj(h).view(B, -1, D)  # (B, Hkv, D)
-            q = apply_rope(q.transpose(0, 1)[None], cos, sin)  # (1, Hq, B, D)
-            self.k[i].index_copy_(2, slots, apply_rope(k.transpose(0, 1)[None], cos, sin))
-            self.v[i].index_copy_(2, slots, v.transpose(0, 1)[None])
-            mask = masks[attn.sliding_window]
-            y = attend_cache(q, self.k[i], self.v[i], mask, None)  # (1, Hq, B, D)
-            x = x + attn.o_proj(y[0].transpose(0, 1).reshape(B, -1))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            mask = masks[layer.self_attn.sliding_window]
+            x = self.layer(layer, x, self.k[i], self.v[i], cos, sin, slots, mask)
         return d.norm(x)
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def slot_logits(self, anchor: Tensor, length: Tensor) -> Tensor:
         """Logits (B-1, V) of slots 1..B-1 (slot k predicts the token k after the anchor)."""
         return self.drafter.lm_head(self.slot_states(anchor, length)[1:])

@@ -139,8 +139,7 @@ def methods_table(evaluation: dict) -> str:
         return "| method | decode tokens/s |\n|---|---|\n" + "\n".join(
             f"| {name} | {speed:.1f} |" for name, speed in rows
         )
-    names = {"target": "target only", "dflash": "DFlash drafter", "prompt_lookup": "prompt lookup",
-             "target_eager": "target only (eager loop)"}  # fmt: skip
+    names = {"target": "target only", "dflash": "DFlash drafter", "prompt_lookup": "prompt lookup"}
     rows = [(names.get(m, m), r) for m, r in evaluation["methods"].items()]
     rows += [(f"DDTree, {n} nodes", r) for n, r in evaluation.get("ddtree", {}).items()]
     lines = [
