@@ -5,8 +5,9 @@
       prompts   --prompts random prompts, lengths cycling through --prompt-lens; every method
                 decodes the same ones, --new-tokens each, no stop token
       eager     speculative.py: target-only `greedy_decode`, DFlash `speculative_decode`
-      engine    engine.py, CUDA graphs (--no-graphs-too: a second engine without): greedy,
-                dflash (draft + verify a block), ddtree@N for N in --budgets (top_k --top-k)
+      engine    engine.py, compiled layers + CUDA graphs (--no-compile-too: graphs only,
+                --no-graphs-too: neither): greedy, dflash (draft + verify a block), ddtree@N for
+                N in --budgets (top_k --top-k); prompt lookup's step is a verify of K+1 tokens
       method    one warm-up decode of prompts[0] (the engine captures its graphs there, before
                 its clock starts), then every prompt timed: ms/step = decode_s / steps, median
       check     engine.captures == 1 per step kind after every prompt: no recapture when the
@@ -19,7 +20,7 @@ speedup of a trained drafter is tau / (x target step). Issue goals, printed per 
 engine's target step >= 10x faster than the eager one and <= 1.9 ms per token at SmolLM2 shape;
 a DFlash step <= 1.3 target steps. Run it as the only process on the GPU: a step is a few ms.
 
-    PYTHONPATH=src python benchmarks/evaluate.py --shapes smollm2 qwen3-8b --no-graphs-too \\
+    PYTHONPATH=src python benchmarks/evaluate.py --shapes smollm2 qwen3-8b --no-compile-too \\
         --out $OUT/evaluate.json
     python benchmarks/evaluate.py --smoke --shapes smollm2 qwen3-8b --out /tmp/smoke.json  # CPU
 
@@ -153,9 +154,12 @@ def check_captures(engine: Engine, label: str, prompts: list[list[int]]) -> dict
     return captures
 
 
-def measure_engine(model, drafter, graphs: bool, max_len: int, prompts, args) -> tuple:
-    label = "engine" if graphs else "engine (no graphs)"
-    engine = Engine(model, max_len, drafter, graphs=graphs)
+def measure_engine(model, drafter, graphs: bool, compile: bool, max_len: int, prompts, args):
+    label = {(True, True): "engine", (True, False): "engine (graphs, no compile)"}.get(
+        (graphs, compile), "engine (no graphs)"
+    )
+    t0 = time.perf_counter()
+    engine = Engine(model, max_len, drafter, graphs=graphs, compile=compile)
     new = args.new_tokens
     methods = {
         "target": partial(engine.greedy, max_new_tokens=new, stop_ids=set()),
@@ -167,7 +171,8 @@ def measure_engine(model, drafter, graphs: bool, max_len: int, prompts, args) ->
         )
     rows = {f"{label} {m}": time_method(f"{label} {m}", fn, prompts) for m, fn in methods.items()}
     captures = check_captures(engine, label, prompts)
-    say(f"  {label} captures per step kind: {captures}")
+    say(f"  {label} captures per step kind: {captures}; {time.perf_counter() - t0:.0f} s in all "
+        "(compilation and capture included)")  # fmt: skip
     return label, rows, captures
 
 
@@ -192,13 +197,14 @@ def measure_shape(name: str, args, device: torch.device, dtype: torch.dtype) -> 
     target.close()  # its hooks would fire in no engine step, but keep the model bare
     # prompt + new tokens + the widest step's slots past T (a block, or a tree and its root)
     max_len = max(args.prompt_lens) + new + max(BLOCK, max(args.budgets) + 1)
-    settings = [device.type == "cuda"] + (
-        [False] if args.no_graphs_too and device.type == "cuda" else []
-    )
+    cuda = device.type == "cuda"
+    settings = [(cuda, cuda)]  # (graphs, compile): the engine's defaults
+    settings += [(True, False)] if args.no_compile_too and cuda else []
+    settings += [(False, False)] if args.no_graphs_too and cuda else []
     captures, loops = {}, []
-    for graphs in settings:
+    for graphs, compile in settings:
         label, engine_rows, captures[label] = measure_engine(
-            model, drafter, graphs, max_len, prompts, args
+            model, drafter, graphs, compile, max_len, prompts, args
         )
         rows |= engine_rows
         loops.append(label)
@@ -271,6 +277,9 @@ def main() -> None:
     ap.add_argument("--top-k", type=int, default=8)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--no-graphs-too", action="store_true", help="also an engine without graphs")
+    ap.add_argument(
+        "--no-compile-too", action="store_true", help="also an engine with graphs, uncompiled"
+    )
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU, float32")
     ap.add_argument("--out", default="evaluate.json")
     args = ap.parse_args()

@@ -3,12 +3,13 @@
 # outlive the call that starts them), main first; a variant starts once the deepest stage of main
 # that its overlay's `# reuse:` line shares has finished (none: at once), and the files of other
 # runs its `# wait:` line names (relative to its work directory) exist. /tmp/q/ALLDONE marks
-# the end. QUALITY_EXTRA=FILE adds one more config file on top of every run's (e.g. other sizes).
+# the end. QUALITY_EXTRA=FILE adds one more config file on top of every run's (e.g. other sizes);
+# MAIN_TARGET=extract stops main at its features (when only a variant's drafter is wanted).
 cd "$(dirname "$0")/../.." && . benchmarks/remote/setup.sh >/dev/null
 mkdir -p /tmp/q
 M=/tmp/runs/quality-main/results
 EXTRA=${QUALITY_EXTRA:+--configfile $QUALITY_EXTRA}
-python3 benchmarks/quality.py main --runs /tmp/runs $EXTRA > /tmp/q/main.out 2>&1 &
+python3 benchmarks/quality.py main --runs /tmp/runs --target ${MAIN_TARGET:-all} $EXTRA > /tmp/q/main.out 2>&1 &
 for spec in "$@"; do   # VARIANT or VARIANT:TARGET (e.g. block16:train: no evaluate)
   v=${spec%%:*}; target=all; [[ $spec == *:* ]] && target=${spec#*:}
   reuse=" $(sed -n 's/^# reuse://p' benchmarks/quality/$v.yaml) "
