@@ -96,7 +96,7 @@ def test_metrics_json(tiny_target_dir, target_config, eval_table, tmp_path):
         assert lookup["dflash_ahead"][source] == want
     # every method on the static engine, each speedup against its target-only; DDTree per
     # budget, lossless in float32 like DFlash
-    assert metrics["engine"] == {"kind": "static", "graphs": False}
+    assert metrics["engine"] == {"kind": "static", "graphs": False, "compiled": False}
     methods = metrics["methods"]
     assert set(methods) == {"target", "dflash", "prompt_lookup"}
     assert methods["dflash"]["acceptance_length"] == metrics["acceptance_length"]
@@ -146,6 +146,7 @@ def test_bf16_run_reports_agreement_and_checks_losslessness_in_float32(
         assert metrics["engine"] == {
             "kind": "eager",
             "graphs": False,
+            "compiled": False,
             "reason": "evaluate.engine: eager",
         }
         assert metrics["ddtree"] == {} and set(metrics["methods"]) == {

@@ -89,7 +89,7 @@ def test_methods_and_ddtree_budgets_are_tabled_and_plotted(tmp_path):
     ev = json.loads((tmp_path / "eval.json").read_text())
     row = {"engine": "static", "decode_tokens_per_s": 18.0, "speedup_against": "target"}
     ev |= {
-        "engine": {"kind": "static", "graphs": True},
+        "engine": {"kind": "static", "graphs": True, "compiled": True},
         "methods": {
             "target": row
             | {"acceptance_length": None, "decode_tokens_per_s": 10.0, "speedup": 1.0},
@@ -104,7 +104,7 @@ def test_methods_and_ddtree_budgets_are_tabled_and_plotted(tmp_path):
     (tmp_path / "eval.json").write_text(json.dumps(ev))
     run(*paths, str(tmp_path / "r"), str(tmp_path / "r.md"))
     md = (tmp_path / "r.md").read_text()
-    assert "- engine: static, CUDA graphs" in md
+    assert "- engine: static, CUDA graphs, compiled steps" in md
     assert "| target only | static | - | 10.0 | 1.00x vs target | - |" in md
     assert "| prompt lookup | static | 1.900 | 18.0 | 1.30x vs target | - |" in md
     assert "| DDTree, 32 nodes | static | 3.100 | 18.0 | 1.95x vs target | 1.000 |" in md

@@ -48,12 +48,13 @@ def tree_method(budget: int) -> str:
 class Decoders:
     """One process's decoders of the `methods` (METHODS names; ddtree expands to one method per
     budget of `tree_nodes`) over `model` + `drafter`. `max_len` bounds prompt + new tokens +
-    the largest step's slack (the static engine's buffers)."""
+    the largest step's slack (the static engine's buffers); `compile`: the engine's (default: on
+    with graphs)."""
 
     def __init__(
         self, model: nn.Module, drafter: Drafter, methods: Sequence[str], engine: str,
         max_len: int, tree_nodes: Sequence[int] = (), tree_top_k: int = 8,
-        lookup: tuple[int, int] = (10, 2),
+        lookup: tuple[int, int] = (10, 2), compile: bool | None = None,
     ):  # fmt: skip
         self.kind, self.reason = "eager", "evaluate.engine: eager"
         if engine == "auto":
@@ -62,8 +63,11 @@ class Decoders:
                 self.kind, self.reason = "static", None
             except ValueError as e:
                 self.reason = str(e)
-        self.engine = Engine(model, max_len, drafter) if self.kind == "static" else None
+        self.engine = (
+            Engine(model, max_len, drafter, compile=compile) if self.kind == "static" else None
+        )
         self.graphs = bool(self.engine and self.engine.graphs)
+        self.compiled = bool(self.engine and self.engine.compiled)
         self.top_k = tree_top_k
         self.dflash = DFlashProposer(drafter)
         self.lookup = PromptLookupProposer(*lookup)
@@ -81,7 +85,7 @@ class Decoders:
 
     def info(self) -> dict:
         """metrics.json's `engine` entry."""
-        out = {"kind": self.kind, "graphs": self.graphs}
+        out = {"kind": self.kind, "graphs": self.graphs, "compiled": self.compiled}
         return out | ({"reason": self.reason} if self.reason else {})
 
     def decode(self, method: str, ids: list[int], n: int, stop_ids: set[int]) -> Decoded:

@@ -194,9 +194,17 @@ def decode_and_check(
 
     lookup = (ev.prompt_lookup_num_tokens, ev.prompt_lookup_max_ngram)
 
-    def decoders(methods: list[str]) -> Decoders:
+    def decoders(methods: list[str], compile: bool | None = None) -> Decoders:
         return Decoders(
-            model, drafter, methods, ev.engine, max_len, ev.tree_nodes, ev.tree_top_k, lookup
+            model,
+            drafter,
+            methods,
+            ev.engine,
+            max_len,
+            ev.tree_nodes,
+            ev.tree_top_k,
+            lookup,
+            compile,
         )
 
     timed = decoders(ev.methods)
@@ -209,11 +217,12 @@ def decode_and_check(
         return main, {m: main[m] for m in checked}, timed.info()
     # bf16 rounds a block forward and one-token forwards differently, so near-tied argmaxes
     # flip: losslessness is a float32 property, checked in float32 (a new engine: its buffers
-    # and RoPE tables take the model's dtype; the bf16 one is dropped first).
+    # and RoPE tables take the model's dtype; the bf16 one is dropped first). Its speed is not
+    # measured, so its steps are not compiled: graphs alone are fast enough and compile nothing.
     info, timed = timed.info(), None
     model.float()
     drafter.float()
-    fp32 = decoders([m for m in ev.methods if m != "prompt_lookup"])
+    fp32 = decoders([m for m in ev.methods if m != "prompt_lookup"], compile=False)
     try:
         return main, fp32.decode_all(prompts, n, stop_ids, f"float32{worker}"), info
     finally:

@@ -137,7 +137,7 @@ def summarize(
 ) -> dict:
     """metrics.json's figures: main holds the timed run-dtype responses per method, lossless
     the float32 ones of target-only, DFlash and DDTree; `engine` is Decoders.info()."""
-    engine = engine or {"kind": "eager", "graphs": False}
+    engine = engine or {"kind": "eager", "graphs": False, "compiled": False}
     target, dflash, looked_up = main["target"], main["dflash"], main.get("prompt_lookup")
     spec, base = method_summary(dflash, block - 1), method_summary(target, block - 1)
     base_speed = base["decode_tokens_per_s"]

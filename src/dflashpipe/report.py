@@ -163,6 +163,7 @@ def _engine(evaluation: dict) -> str:
     if not engine:
         return ""
     graphs = ", CUDA graphs" if engine["graphs"] else ""
+    graphs += ", compiled steps" if engine.get("compiled") else ""
     reason = f" ({engine['reason']})" if engine.get("reason") else ""
     return f"\n- engine: {engine['kind']}{graphs}{reason}"
 
