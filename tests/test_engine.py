@@ -42,6 +42,8 @@ SIZES = dict(
 )
 _g = torch.Generator().manual_seed(0)
 PROMPTS = [torch.randint(2, 320, (n,), generator=_g).tolist() for n in (5, 11, 19)]
+# n-grams recur in the second (doubled: 22 + NEW + drafts fit MAX_LEN, the longest doubled not)
+LOOKUP_PROMPTS = [PROMPTS[0], PROMPTS[1] * 2, PROMPTS[2]]
 
 
 def tiny(config_cls, model_cls, **extra):
@@ -193,7 +195,7 @@ def test_prompt_lookup_matches_the_eager_loop(llama, engine, num_drafts):
     proposal counts (empty proposals included), on prompts whose n-grams recur."""
     reference = Target(llama)
     seen = set()
-    for ids in [PROMPTS[0], PROMPTS[1] * 2, PROMPTS[2]]:
+    for ids in LOOKUP_PROMPTS:
         expected = speculative_decode(reference, PromptLookupProposer(num_drafts), ids, NEW, set())
         got = engine.lookup(ids, NEW, set(), PromptLookupProposer(num_drafts))
         assert (got.output_ids, got.accepted_lengths, got.drafted) == (
@@ -325,14 +327,15 @@ def test_cuda_graphs_replay_the_eager_steps(llama, drafter):
     eager = Engine(model, MAX_LEN, d, graphs=False)
     graphed = Engine(model, MAX_LEN, d)
     assert graphed.graphs
-    for ids in PROMPTS:
+    for k, ids in enumerate(PROMPTS):
         assert (
             graphed.greedy(ids, NEW, set()).output_ids == eager.greedy(ids, NEW, set()).output_ids
         )
         want, got = eager.dflash(ids, NEW, set()), graphed.dflash(ids, NEW, set())
         assert (got.output_ids, got.accepted_lengths) == (want.output_ids, want.accepted_lengths)
         want, got = (
-            e.lookup(ids * 2, NEW, set(), PromptLookupProposer(3)) for e in (eager, graphed)
+            e.lookup(LOOKUP_PROMPTS[k], NEW, set(), PromptLookupProposer(3))
+            for e in (eager, graphed)
         )
         assert (got.output_ids, got.drafted) == (want.output_ids, want.drafted)
         for budget in (4, 16):
