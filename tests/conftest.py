@@ -298,6 +298,7 @@ LONGEST_FIRST = {  # seconds on the 2-core machine with two workers (tests/READM
     "test_regenerate_survives_kills": 31,
     "test_extract_survives_kills": 24,
     "test_extract_on_a_full_disk": 20,
+    "test_compiled_layers_decode_as_the_eager_ones": 20,
 }
 PAIRED = {  # (runs just before, runs just after): tests that would otherwise wait on a lock
     # the two SLURM tests share one cluster, one at a time

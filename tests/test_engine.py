@@ -16,11 +16,11 @@ from transformers import (
 
 from dflashpipe.engine import Engine
 from dflashpipe.extract import LayerTaps
-from dflashpipe.kvcache import StaticDrafter, StaticTarget
+from dflashpipe.kvcache import StaticDrafter, StaticTarget, attend_cache, fold_mask
+from dflashpipe.lookup import PromptLookupProposer
 from dflashpipe.model import Drafter, DrafterConfig
 from dflashpipe.speculative import (
     DFlashProposer,
-    PromptLookupProposer,
     Target,
     greedy_decode,
     speculative_decode,
@@ -366,3 +366,19 @@ def test_compiled_layers_decode_as_the_eager_ones(llama, drafter, engine):
                 want.accepted_lengths,
             )
             assert max(got.accepted_lengths) > 1  # drafts were accepted: the verify path ran
+
+
+def test_compiled_attention_equals_sdpa_under_a_folded_mask():
+    """The compiled path's plain-op attention (kvcache.attend_cache) against SDPA's, GQA folded,
+    a causal-plus-prefix mask in which padding slots past the valid length stay hidden."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 6, 5, 16, generator=g)  # 6 query heads over 2 KV heads, 5 new rows
+    k, v = (torch.randn(1, 2, 32, 16, generator=g) for _ in range(2))
+    valid = torch.arange(32)[None, :] < 20 + torch.arange(5)[:, None] + 1  # row i sees 0..20+i
+    mask = fold_mask(valid, 3)
+    compiled = torch.compile(attend_cache, fullgraph=True)
+    want = attend_cache(q, k, v, mask, 0.3)
+    torch.testing.assert_close(compiled(q, k, v, mask, 0.3), want)
+    k[:, :, 25:] = 1e4  # slots no row sees: a leak would move every output
+    for fn in (attend_cache, compiled):
+        torch.testing.assert_close(fn(q, k, v, mask, 0.3), want)

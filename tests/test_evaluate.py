@@ -81,8 +81,24 @@ def test_metrics_json(tiny_target_dir, target_config, eval_table, tmp_path):
     assert lookup["acceptance_length"] >= 1.0 and lookup["tokens_per_s"] > 0
     assert set(lookup["per_source"]) == {"sharegpt", "humaneval"}
     assert min(lookup["per_source"].values()) >= 1.0
-    assert len(lookup["per_position_acceptance"]) == 3
     assert lookup["identical_to_target_fraction"] == 1.0
+    # the baseline is prompt lookup at its best: per source the highest tau of the configured
+    # (timed) lookup and the 48 replayed configurations, named
+    assert lookup["configured"] == "earliest n<=2 k=3 all" and len(lookup["sweep"]) == 48
+    rows = [{"config": lookup["configured"] + " (timed)", "per_source":
+             lookup["configured_per_source"]}, *lookup["sweep"]]  # fmt: skip
+    for source, tau in lookup["per_source"].items():
+        assert tau == max(r["per_source"][source] for r in rows)
+        best = next(r for r in rows if r["config"] == lookup["best_per_source"][source])
+        assert best["per_source"][source] == tau
+    assert lookup["acceptance_length"] == max(
+        lookup["configured_acceptance_length"], *(r["acceptance_length"] for r in lookup["sweep"])
+    )
+    assert max(r["acceptance_length"] for r in lookup["sweep"]) > min(
+        r["acceptance_length"] for r in lookup["sweep"]
+    )  # the configurations differ on these prompts: the sweep chose
+    best_drafts = int(lookup["best"].split("k=")[1].split()[0])
+    assert len(lookup["per_position_acceptance"]) == best_drafts
     assert [r["lossless"] for r in metrics["responses"]] == [True] * 3
     # per prompt, paired: the lookup taus average to its per-source figures, and every prompt
     # with both taus is counted once as ahead, tied or behind, by its own two taus

@@ -70,14 +70,19 @@ def test_paired_counts_and_extra_features_are_summarized(tmp_path):
     ev["baseline"]["prompt_lookup"].update(
         per_source={"sharegpt": 2.0, "humaneval": 2.5},
         dflash_ahead={"humaneval": {"ahead": 3, "tied": 0, "behind": 1}},
+        best_per_source={"humaneval": "latest n<=3 k=16 all"},
+        best="latest n<=3 k=16 all",
+        configured="earliest n<=2 k=10 all",
     )
     (tmp_path / "eval.json").write_text(json.dumps(ev))
     extra = {"totals": {"samples": 7, "tokens": 300, "bytes": 5e5}, "codec": "fp8-zstd"}
     (tmp_path / "code.json").write_text(json.dumps(extra))
     run(*paths, str(tmp_path / "r"), str(tmp_path / "r.md"), [str(tmp_path / "code.json")])
     md = (tmp_path / "r.md").read_text()
-    assert "| humaneval | 2.750 | 2.500 | 3 of 4 |" in md
-    assert "| sharegpt | 2.250 | 2.000 | - |" in md  # no paired count for this source
+    assert "| humaneval | 2.750 | 2.500 | `latest n<=3 k=16 all` | 3 of 4 |" in md
+    assert "| sharegpt | 2.250 | 2.000 | - | - |" in md  # no configuration, no paired count
+    assert "(prompt lookup at its best: 1.900, `latest n<=3 k=16 all`)" in md
+    assert "(prompt lookup `earliest n<=2 k=10 all`: 1.30x)" in md
     assert "- features: 10 samples, 500 tokens, 1.0 MB (bf16-zstd), layers [1, 2] of tiny" in md
     assert f"- train.extra_features {tmp_path / 'code.json'}: 7 samples, 300 tokens, 0.5 MB" in md
     with pytest.raises(DataError, match="not found"):

@@ -6,11 +6,11 @@ import torch
 from dflashpipe.chat import encode_prompt
 from dflashpipe.config import TargetConfig
 from dflashpipe.extract import LayerTaps
+from dflashpipe.lookup import PromptLookupProposer, replay
 from dflashpipe.model import Drafter, DrafterConfig
 from dflashpipe.speculative import (
     Decoded,
     DFlashProposer,
-    PromptLookupProposer,
     Target,
     greedy_decode,
     speculative_decode,
@@ -185,17 +185,6 @@ def test_stops_at_the_first_end_of_turn_token(tiny, drafter):
         assert out.finish_reason == "stop"
 
 
-def test_prompt_lookup_follows_the_earliest_match_of_the_longest_ngram():
-    p = PromptLookupProposer(num_drafts=3, max_ngram_size=2)
-    p.start([], None)
-    assert p.propose([5, 6, 7, 8, 5, 6]) == [7, 8, 5]  # bigram (5, 6) at 0
-    assert p.propose([5, 6, 7, 8, 5, 6, 9]) == []  # 9 never seen before
-    assert p.propose([5, 6, 7, 8, 5, 6, 9, 8]) == [5, 6, 9]  # unigram 8 at 3
-    assert p.propose([5, 6, 7, 8, 5, 6, 9, 8, 5, 6]) == [7, 8, 5]  # the earliest, not the latest
-    p.start([], None)  # a new response forgets the old index
-    assert p.propose([1, 2, 1]) == [2, 1]
-
-
 def test_prompt_lookup_is_lossless_in_the_same_loop(tiny):
     model, prompts = tiny
     target = Target(model)
@@ -204,6 +193,29 @@ def test_prompt_lookup_is_lossless_in_the_same_loop(tiny):
         out = speculative_decode(target, PromptLookupProposer(5), ids, 24, stop_ids=set())
         assert out.output_ids == ref.output_ids
         assert all(1 <= a <= d + 1 for a, d in zip(out.accepted_lengths, out.drafted, strict=True))
+
+
+@pytest.mark.parametrize("occurrence", ["earliest", "latest"])
+def test_replay_gives_the_decoding_loops_acceptances(tiny, occurrence):
+    """lookup.replay on the target-only output against real speculative decoding with the same
+    proposer: same tokens, same acceptances and draft counts at every step but the last (where
+    the replay's count may be lower: the output ends there); prompts doubled so n-grams recur."""
+    model, prompts = tiny
+    target = Target(model)
+    steps = 0
+    for ids in [p + p for p in prompts]:
+        ref = greedy_decode(target, ids, 24, stop_ids=set())
+        for n, k in ((1, 3), (3, 10)):
+            decoded = speculative_decode(
+                target, PromptLookupProposer(k, n, occurrence), ids, 24, stop_ids=set()
+            )
+            got = replay(PromptLookupProposer(k, n, occurrence), ids, ref.output_ids, 24, set())
+            assert got.output_ids == decoded.output_ids == ref.output_ids
+            assert got.accepted_lengths[:-1] == decoded.accepted_lengths[:-1]
+            assert got.drafted == decoded.drafted
+            assert 1 <= got.accepted_lengths[-1] <= decoded.accepted_lengths[-1]
+            steps += sum(a > 1 for a in got.accepted_lengths)
+    assert steps > 0  # drafts were accepted: the comparison covered more than bonus tokens
 
 
 def test_proposer_and_target_must_tap_the_same_layers(tiny, drafter):

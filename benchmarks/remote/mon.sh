@@ -3,6 +3,9 @@
 # are done or SECONDS pass; then the table, and their small files bundled into $OUT/q.tar.gz.
 cd "$(dirname "$0")/../.." && . benchmarks/remote/setup.sh >/dev/null
 end=$((SECONDS + $1))
+if ! ls -d /tmp/runs/quality-* >/dev/null 2>&1; then  # a fresh machine: the warm one was handed back
+  echo "mon.sh: no quality runs under /tmp/runs on this machine; start them with bg.sh" >&2; exit 1
+fi
 status() {
   echo "== $(date +%T)"
   for w in /tmp/runs/quality-*; do

@@ -19,17 +19,18 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import asdict
 
 from torch import nn
 from tqdm import tqdm
 
 from dflashpipe.engine import Engine
 from dflashpipe.kvcache import check_target
+from dflashpipe.lookup import LookupConfig, PromptLookupProposer
 from dflashpipe.model import Drafter
 from dflashpipe.speculative import (
     Decoded,
     DFlashProposer,
-    PromptLookupProposer,
     Target,
     greedy_decode,
     speculative_decode,
@@ -54,7 +55,7 @@ class Decoders:
     def __init__(
         self, model: nn.Module, drafter: Drafter, methods: Sequence[str], engine: str,
         max_len: int, tree_nodes: Sequence[int] = (), tree_top_k: int = 8,
-        lookup: tuple[int, int] = (10, 2), compile: bool | None = None,
+        lookup: LookupConfig | None = None, compile: bool | None = None,
     ):  # fmt: skip
         self.kind, self.reason = "eager", "evaluate.engine: eager"
         if engine == "auto":
@@ -70,7 +71,7 @@ class Decoders:
         self.compiled = bool(self.engine and self.engine.compiled)
         self.top_k = tree_top_k
         self.dflash = DFlashProposer(drafter)
-        self.lookup = PromptLookupProposer(*lookup)
+        self.lookup = PromptLookupProposer(**asdict(lookup or LookupConfig()))
         # The eager loop taps the drafter's layers only where it decodes DFlash.
         self.target = Target(model, [] if self.engine else drafter.config.target_layer_ids)
         self.methods = ["target", "dflash"]

@@ -40,8 +40,9 @@ from torch import nn
 
 from dflashpipe.ddtree import TreeSteps
 from dflashpipe.kvcache import StaticDrafter, StaticTarget
+from dflashpipe.lookup import PromptLookupProposer
 from dflashpipe.model import Drafter
-from dflashpipe.speculative import Decoded, PromptLookupProposer, _clock, _finish
+from dflashpipe.speculative import Decoded, _clock, _finish
 
 WARMUP_RUNS = 3  # eager runs on a side stream before capture, as the CUDA-graph docs advise
 # Step shapes per compiled layer function: target 1 (greedy), B (verify), budget+1 per DDTree

@@ -6,15 +6,18 @@
            target-only greedy │ DFlash drafter │ DDTree per tree_nodes budget │ prompt lookup
       ─► run dtype not float32 (bf16 on GPU): bf16 agreement; target + drafter to float32,
          target-only, DFlash and DDTree decoded again for the lossless check
+      ─► prompt lookup's grid (lookup.py GRID) replayed on the target-only outputs: every
+         configuration's tau per source, the best per source is the baseline
       ─► metrics.json: DFlash's figures at the top level (as before), every method's tau,
          speed and speedup in `methods`, DDTree's per budget in `ddtree`, the engine in `engine`
 
 tau (acceptance length) = accepted drafts + 1 per verify step, averaged per response, then over
 responses (responses without a verify step, e.g. EOS first, have no tau). Speeds are decode
 tokens/s (tokens after the prefill's first one over the time after the prefill), summed over
-responses; speedup = speculative / target-only in the same engine and process (prompt lookup runs
-on the eager loop: its speedup is against the eager target-only). The drafter is checked against the target before
-any decoding: a drafter made for another target cannot be evaluated meaningfully.
+responses; speedup = speculative / target-only in the same engine and process (prompt lookup is
+an engine step too: its configured setting is decoded and timed, the others are replayed, which
+gives the same acceptances since decoding is greedy). The drafter is checked against the target
+before any decoding: a drafter made for another target cannot be evaluated meaningfully.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from __future__ import annotations
 import json
 import logging
 import platform
+import time
 from collections import Counter, defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -36,6 +40,7 @@ from dflashpipe.decoders import ENGINES, METHODS, Decoders
 from dflashpipe.errors import ConfigError, DataError
 from dflashpipe.export import CONFIG_NAME, config_from_dict, load_drafter
 from dflashpipe.figures import summarize
+from dflashpipe.lookup import OCCURRENCES, SEARCHES, LookupConfig, sweep
 from dflashpipe.model import DrafterConfig
 from dflashpipe.speculative import Decoded
 from dflashpipe.storage import write_json
@@ -51,6 +56,9 @@ class EvaluateConfig:
     max_new_tokens: int = 256
     prompt_lookup_num_tokens: int = 10  # transformers' usual setting
     prompt_lookup_max_ngram: int = 2  # transformers' default max_matching_ngram_size
+    prompt_lookup_occurrence: str = "earliest"  # transformers' rule; or "latest"
+    prompt_lookup_search: str = "all"  # prompt and generated text; or "prompt"
+    prompt_lookup_sweep: bool = True  # replay lookup.GRID on the target's outputs: the baseline
     workers: int = 1  # processes decoding slices of the prompts side by side on the one device
     enable_thinking: bool | None = None
     methods: list[str] = field(default_factory=lambda: list(METHODS))
@@ -76,6 +84,19 @@ class EvaluateConfig:
             raise ConfigError(f"evaluate.tree_nodes must list budgets >= 1, got {self.tree_nodes}")
         if self.engine not in ENGINES:
             raise ConfigError(f"evaluate.engine must be one of {ENGINES}, got {self.engine!r}")
+        for name, allowed in (("occurrence", OCCURRENCES), ("search", SEARCHES)):
+            if (value := getattr(self, f"prompt_lookup_{name}")) not in allowed:
+                raise ConfigError(
+                    f"evaluate.prompt_lookup_{name} must be one of {allowed}, got {value!r}"
+                )
+
+    @property
+    def lookup(self) -> LookupConfig:
+        """The configured (timed) prompt lookup."""
+        return LookupConfig(
+            self.prompt_lookup_num_tokens, self.prompt_lookup_max_ngram,
+            self.prompt_lookup_occurrence, self.prompt_lookup_search,
+        )  # fmt: skip
 
     def slack(self, block_size: int) -> int:
         """Positions past the committed length that one step may write: a block, a tree of the
@@ -192,20 +213,11 @@ def decode_and_check(
     n = ev.max_new_tokens
     max_len = max(len(ids) for _, ids in prompts) + n + ev.slack(drafter.config.block_size)
 
-    lookup = (ev.prompt_lookup_num_tokens, ev.prompt_lookup_max_ngram)
-
     def decoders(methods: list[str], compile: bool | None = None) -> Decoders:
         return Decoders(
-            model,
-            drafter,
-            methods,
-            ev.engine,
-            max_len,
-            ev.tree_nodes,
-            ev.tree_top_k,
-            lookup,
+            model, drafter, methods, ev.engine, max_len, ev.tree_nodes, ev.tree_top_k, ev.lookup,
             compile,
-        )
+        )  # fmt: skip
 
     timed = decoders(ev.methods)
     try:
@@ -328,17 +340,28 @@ def run(
         )
     log.info("%d prompts on %s in %s, %d worker process(es) (skipped %s)", len(prompts), device,
              run_dtype, min(ev.workers, len(prompts)), dict(skipped))  # fmt: skip
+    stop_ids = end_of_turn_ids(tok)
     main, lossless, engine = decode_in_workers(
-        model, drafter, prompts, ev, end_of_turn_ids(tok), target_cfg, drafter_dir
+        model, drafter, prompts, ev, stop_ids, target_cfg, drafter_dir
     )
+    swept = None
+    if "prompt_lookup" in main and ev.prompt_lookup_sweep:
+        t0 = time.perf_counter()
+        swept = sweep(
+            [ids for _, ids in prompts], [r.output_ids for r in main["target"]],
+            ev.max_new_tokens, stop_ids,
+        )  # fmt: skip
+        log.info("prompt lookup: %d configurations replayed on the target's outputs in %.1f s",
+                 len(swept), time.perf_counter() - t0)  # fmt: skip
     metrics = summarize(
         prompts,
         main,
         lossless,
         cfg.block_size,
-        ev.prompt_lookup_num_tokens,
+        ev.lookup,
         reduced_precision=run_dtype != torch.float32,
         engine=engine,
+        lookup_sweep=swept,
     )
     metrics |= {"num_prompts": len(prompts), "skipped": dict(skipped), "settings": asdict(ev)}
     metrics |= run_info(target_cfg, drafter_dir, cfg, device, run_dtype)

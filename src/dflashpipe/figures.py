@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 
+from dflashpipe.lookup import LookupConfig
 from dflashpipe.speculative import Decoded
 
 
@@ -131,12 +132,14 @@ def summarize(
     main: dict[str, list[Decoded]],
     lossless: dict[str, list[Decoded]],
     block: int,
-    lookup_tokens: int,
+    lookup: LookupConfig,
     reduced_precision: bool,
     engine: dict | None = None,
+    lookup_sweep: dict[str, list[Decoded]] | None = None,
 ) -> dict:
     """metrics.json's figures: main holds the timed run-dtype responses per method, lossless
-    the float32 ones of target-only, DFlash and DDTree; `engine` is Decoders.info()."""
+    the float32 ones of target-only, DFlash and DDTree; `engine` is Decoders.info(); `lookup`
+    the configured (timed) prompt lookup, `lookup_sweep` lookup.sweep's replays by name."""
     engine = engine or {"kind": "eager", "graphs": False, "compiled": False}
     target, dflash, looked_up = main["target"], main["dflash"], main.get("prompt_lookup")
     spec, base = method_summary(dflash, block - 1), method_summary(target, block - 1)
@@ -185,18 +188,63 @@ def summarize(
         "responses": responses,
     }
     if looked_up is not None:
-        lookup = method_summary(looked_up, lookup_tokens)
-        metrics["baseline"]["prompt_lookup"] = {
-            "method": "n-gram prompt-lookup proposer (transformers' candidate rule) run "
-            f"through the same decoding engine as the drafter ({engine['kind']})",
-            "num_tokens": lookup_tokens,
-            "acceptance_length": lookup["acceptance_length"],
-            "per_source": tau_per_source(prompts, looked_up),
-            "tokens_per_s": lookup["decode_tokens_per_s"],
-            "speedup": methods["prompt_lookup"]["speedup"],
-            "speedup_against": methods["prompt_lookup"]["speedup_against"],
-            "per_position_acceptance": lookup["per_position_acceptance"],
+        baseline = lookup_baseline(prompts, dflash, looked_up, lookup, lookup_sweep or {})
+        timed = methods["prompt_lookup"]
+        baseline |= {
+            "method": "n-gram prompt lookup: the best configuration per source of a sweep "
+            "replayed on the target-only outputs; speed and speedup are the configured one's, "
+            f"decoded through the same engine as the drafter ({engine['kind']})",
+            "tokens_per_s": timed["decode_tokens_per_s"],
+            "speedup": timed["speedup"],
+            "speedup_against": timed["speedup_against"],
             "identical_to_target_fraction": _mean(_identical(target, looked_up)),
-            "dflash_ahead": ahead_per_source(prompts, dflash, looked_up),
         }
+        best = baseline.pop("best_responses")
+        for response, r in zip(responses, best, strict=True):
+            response["prompt_lookup_acceptance_length"] = r.acceptance_length
+        baseline["dflash_ahead"] = ahead_per_source(prompts, dflash, best)
+        metrics["baseline"]["prompt_lookup"] = baseline
     return metrics
+
+
+def lookup_baseline(
+    prompts: list[tuple[dict, list[int]]], dflash: list[Decoded], timed: list[Decoded],
+    configured: LookupConfig, swept: dict[str, list[Decoded]],
+) -> dict:  # fmt: skip
+    """Prompt lookup at its best: per source the configuration (of the sweep, and the timed
+    configured one) with the highest tau there. `best_responses` holds, per prompt, the responses
+    of its source's best configuration (the paired counts against DFlash use them)."""
+    runs = {configured.name + " (timed)": timed} | swept
+    rows = [
+        {
+            "config": name,
+            "acceptance_length": method_summary(results, 0)["acceptance_length"],
+            "per_source": tau_per_source(prompts, results),
+        }
+        for name, results in runs.items()
+    ]
+    sources = sorted({row["source"] for row, _ in prompts})
+
+    def tau(row: dict, source: str) -> float:
+        t = row["per_source"].get(source)
+        return -1.0 if t is None else t
+
+    best = {s: max(rows, key=lambda row: tau(row, s)) for s in sources}
+    overall = max(rows, key=lambda row: row["acceptance_length"] or -1.0)
+    pick = {s: runs[row["config"]] for s, row in best.items()}
+    return {
+        "configured": configured.name,
+        "num_tokens": configured.num_drafts,
+        "best": overall["config"],
+        "acceptance_length": overall["acceptance_length"],
+        "best_per_source": {s: row["config"] for s, row in best.items()},
+        "per_source": {s: row["per_source"].get(s) for s, row in best.items()},
+        "configured_acceptance_length": rows[0]["acceptance_length"],
+        "configured_per_source": rows[0]["per_source"],
+        "per_position_acceptance": method_summary(
+            runs[overall["config"]],
+            max((d for r in runs[overall["config"]] for d in r.drafted), default=0),
+        )["per_position_acceptance"],
+        "sweep": rows[1:],
+        "best_responses": [pick[row["source"]][k] for k, (row, _) in enumerate(prompts)],
+    }

@@ -125,6 +125,11 @@ def _ahead(counts: dict | None) -> str:
     return f"{counts['ahead']} of {sum(counts.values())}" if counts else "-"
 
 
+def _config(name: str | None, before: str = "") -> str:
+    """A prompt-lookup configuration's name in backticks ('-' for metrics without one)."""
+    return f"{before}`{name}`" if name else ("" if before else "-")
+
+
 def _speed(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}x"
 
@@ -174,8 +179,10 @@ def summary(rows: list[dict], evaluation: dict, prompts: dict, manifest: dict, i
     manifests of train.extra_features by path."""
     lookup = evaluation["baseline"].get("prompt_lookup", {})
     lookup_tau, ahead = lookup.get("per_source", {}), lookup.get("dflash_ahead", {})
+    chosen = lookup.get("best_per_source", {})
     per_source = "\n".join(
-        f"| {s} | {t:.3f} | {_fmt(lookup_tau.get(s))} | {_ahead(ahead.get(s))} |"
+        f"| {s} | {t:.3f} | {_fmt(lookup_tau.get(s))} | {_config(chosen.get(s))} | "
+        f"{_ahead(ahead.get(s))} |"
         for s, t in sorted(evaluation["per_source"].items())
     )
     added = "".join(
@@ -194,13 +201,13 @@ def summary(rows: list[dict], evaluation: dict, prompts: dict, manifest: dict, i
 ![acceptance]({img}/acceptance.png)
 
 ## Evaluation ({evaluation["num_prompts"]} prompts, {evaluation.get("run_dtype", "")}, {evaluation.get("device", "")})
-| source | tau | prompt lookup tau | prompts where the drafter is ahead |
-|---|---|---|---|
+| source | tau | best prompt lookup tau | its configuration | prompts where the drafter is ahead |
+|---|---|---|---|---|
 {per_source}
 
-- acceptance length tau: **{evaluation["acceptance_length"]:.3f}** (prompt lookup: {_fmt(lookup.get("acceptance_length"))})
+- acceptance length tau: **{evaluation["acceptance_length"]:.3f}** (prompt lookup at its best: {_fmt(lookup.get("acceptance_length"))}{_config(lookup.get("best"), ", ")})
 - lossless fraction (float32): **{evaluation["lossless_fraction"]:.3f}**
-- speedup vs target-only greedy: **{evaluation["speedup"]:.2f}x** (prompt lookup: {_speed(lookup.get("speedup"))}){_engine(evaluation)}
+- speedup vs target-only greedy: **{evaluation["speedup"]:.2f}x** (prompt lookup{_config(lookup.get("configured"), " ")}: {_speed(lookup.get("speedup"))}){_engine(evaluation)}
 
 {methods_table(evaluation)}
 

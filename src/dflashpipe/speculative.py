@@ -306,37 +306,3 @@ def block_masks(
     anchors = torch.tensor([stream - 1], device=device)
     keep = torch.ones(1, dtype=torch.bool, device=device)
     return build_masks(docs, anchors, keep, block_size, sliding_windows, backend="sdpa")
-
-
-class PromptLookupProposer:
-    """transformers' prompt lookup (`generate(prompt_lookup_num_tokens=...)`) as a proposer:
-    the tokens that followed the earliest earlier occurrence of the last n-gram (n from
-    max_ngram_size down to 1). An incremental n-gram index keeps each step O(new tokens)."""
-
-    layer_ids: Sequence[int] = ()
-
-    def __init__(self, num_drafts: int = 10, max_ngram_size: int = 2):
-        if num_drafts < 1 or max_ngram_size < 1:
-            raise ValueError(
-                f"num_drafts {num_drafts} and max_ngram_size {max_ngram_size} must be >= 1"
-            )
-        self.num_drafts, self.max_ngram_size = num_drafts, max_ngram_size
-        self._first: dict[tuple[int, ...], int] = {}  # n-gram -> earliest start
-        self._indexed = 0
-
-    def start(self, prompt_ids: list[int], hidden: Tensor | None) -> None:
-        self._first, self._indexed = {}, 0
-
-    def advance(self, hidden: Tensor | None) -> None:
-        pass
-
-    def propose(self, tokens: list[int]) -> list[int]:
-        for end in range(self._indexed + 1, len(tokens) + 1):
-            for n in range(1, min(self.max_ngram_size, end) + 1):
-                self._first.setdefault(tuple(tokens[end - n : end]), end - n)
-        self._indexed = len(tokens)
-        for n in range(min(self.max_ngram_size, len(tokens)), 0, -1):
-            start = self._first[tuple(tokens[-n:])] + n
-            if start < len(tokens):  # an occurrence before the tail itself
-                return tokens[start : start + self.num_drafts]
-        return []
