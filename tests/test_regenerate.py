@@ -198,3 +198,54 @@ def test_prompts_over_max_prompt_tokens_are_skipped(tiny_target_dir, prompts_fil
     assert stats["prompt_too_long"] == sum(n > lengths[4] for n in lengths) >= 1
     assert table.num_rows == 10 - stats["prompt_too_long"]
     assert max(table.column("num_prompt_tokens").to_pylist()) <= lengths[4]
+
+
+def _answers(path) -> dict[str, list[int]]:
+    return {r["sample_id"]: r["input_ids"] for r in _table(path).to_pylist()}
+
+
+def test_several_answers_per_prompt(tiny_target_dir, prompts_file, tmp_path):
+    """Answer 0 is the greedy one; the sampled ones are the same on a rerun and after a resume."""
+    greedy = tmp_path / "greedy.parquet"
+    run(_cfg(tiny_target_dir), str(prompts_file), 0, str(greedy))
+    cfg = _cfg(tiny_target_dir, samples_per_prompt=3, temperature=1.0, top_k=50, seed=5)
+    whole = tmp_path / "whole.parquet"
+    assert run(cfg, str(prompts_file), 0, str(whole))
+    answers = _answers(whole)
+    prompt_ids = {r["prompt_id"] for r in _table(greedy).to_pylist()}
+    stats = json.loads(_table(whole).schema.metadata[b"stats"])
+    assert stats["samples"] == len(answers) == 15 - stats.get("duplicate_answers", 0)
+    assert {k for k in answers if k.endswith("-0")} == {f"{p}-0" for p in prompt_ids}
+    assert {k: v for k, v in answers.items() if k.endswith("-0")} == _answers(greedy)
+    sampled = [v for k, v in answers.items() if not k.endswith("-0")]
+    assert len(sampled) >= 8 and any(v not in _answers(greedy).values() for v in sampled)
+    assert stats.get("finish_stop", 0) + stats.get("finish_length", 0) == 15  # before dedupe
+    rows = _table(whole).to_pylist()  # a prompt's answers are together, by sample index
+    assert [r["sample_id"] for r in rows] == sorted(
+        (r["sample_id"] for r in rows), key=lambda s: ([r["prompt_id"] for r in rows].index(
+            s.rpartition("-")[0]), s))  # fmt: skip
+    again = tmp_path / "again.parquet"
+    run(cfg, str(prompts_file), 0, str(again))
+    assert _table(again).to_pylist() == rows
+    resumed = tmp_path / "resumed.parquet"
+    while not run(cfg, str(prompts_file), 0, str(resumed), max_batches=2):
+        pass  # stops after two batches, here inside the sampled answers
+    assert _table(resumed).to_pylist() == rows
+
+
+def test_identical_answers_are_kept_once(tiny_target_dir, prompts_file, tmp_path):
+    """top_k 1 samples the greedy token: answers 1 and 2 repeat answer 0 and are dropped."""
+    cfg = _cfg(tiny_target_dir, samples_per_prompt=3, temperature=1.0, top_k=1)
+    run(cfg, str(prompts_file), 0, str(tmp_path / "s.parquet"))
+    stats = json.loads(_table(tmp_path / "s.parquet").schema.metadata[b"stats"])
+    assert stats["duplicate_answers"] == 10 and stats["samples"] == 5
+    assert all(k.endswith("-0") for k in _answers(tmp_path / "s.parquet"))
+
+
+def test_several_greedy_answers_are_refused(tiny_target_dir):
+    from dflashpipe.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="samples_per_prompt is 2 with regenerate.temperature 0"):
+        _cfg(tiny_target_dir, samples_per_prompt=2)
+    with pytest.raises(ConfigError, match="samples_per_prompt is 2 with regenerate.enabled false"):
+        _cfg(tiny_target_dir, samples_per_prompt=2, temperature=1.0, enabled=False)

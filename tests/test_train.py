@@ -124,6 +124,27 @@ def test_two_processes(tmp_path, tiny_features):
     assert rows[-1]["val_expected_acceptance"] >= 1  # held-out part of each rank, reduced
 
 
+def test_held_out_prompts_keep_all_their_answers_out_of_training():
+    """Several answers per prompt: a held-out prompt's answers never reach training, the held-out
+    answer is its first (greedy) one, and the held-out prompts do not depend on answers per
+    prompt."""
+    one = [Sample(0, i, 10, f"p{i:02d}", 0) for i in range(12)]
+    # four answers per prompt, answers of one prompt spread over two shards, answer 0 not first
+    four = [
+        Sample(a % 2, 4 * i + a, 10, f"p{i:02d}", answer)
+        for i in range(12)
+        for a, answer in enumerate((2, 0, 3, 1))
+    ]
+    _, held_one = split_validation(one, 3, seed=5)
+    train, held = split_validation(four, 3, seed=5)
+    assert sorted(s.prompt for s in held) == sorted(s.prompt for s in held_one)
+    assert all(s.answer == 0 for s in held) and len(held) == 3
+    assert not {s.prompt for s in train} & {s.prompt for s in held}
+    assert len(train) == 4 * 9
+    with pytest.raises(DataError, match="would hold out all 12 trainable prompts"):
+        split_validation(four, 12, seed=5)
+
+
 def test_held_out_samples_are_measured_and_never_trained_on(tmp_path, tiny_features):
     samples = [Sample(0, i, 10) for i in range(24)]
     train, held = split_validation(samples, 6, seed=3)

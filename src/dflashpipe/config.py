@@ -200,6 +200,21 @@ class RegenerateConfig:
     cache: str = "auto"
     save_every: int = 512
     max_prompt_tokens: int | None = None
+    samples_per_prompt: int = 1
+    greedy_first: bool = True
+
+    def __post_init__(self) -> None:
+        n = self.samples_per_prompt
+        if n > 1 and self.temperature == 0:
+            raise ConfigError(
+                f"regenerate.samples_per_prompt is {n} with regenerate.temperature 0: greedy "
+                "answers to one prompt are all the same; set a temperature > 0"
+            )
+        if n > 1 and not self.enabled:
+            raise ConfigError(
+                f"regenerate.samples_per_prompt is {n} with regenerate.enabled false: a "
+                "dataset has one answer per prompt"
+            )
 
 
 @dataclass

@@ -34,6 +34,12 @@ class Sample:
     shard: int
     row: int
     length: int  # tokens used (a longer sequence is cut to the micro-batch budget)
+    prompt: str | None = None  # the answered prompt (sample id `{prompt}-{answer}`); None: its own
+    answer: int = 0  # the answer's index among its prompt's answers (0: the greedy one)
+
+    @property
+    def group(self) -> str:
+        return self.prompt if self.prompt is not None else f"{self.shard}/{self.row}"
 
 
 def index_samples(shard_paths: list[Path], tokens: int, stats: dict) -> list[Sample]:
@@ -45,12 +51,14 @@ def index_samples(shard_paths: list[Path], tokens: int, stats: dict) -> list[Sam
         masks = shard.table.column("loss_mask").combine_chunks()
         flat = pc.list_flatten(masks).to_numpy(zero_copy_only=False).astype(np.int64)
         offsets = masks.offsets.to_numpy()
+        ids = [i.rpartition("-") for i in shard.table.column("sample_id").to_pylist()]
         for row, n in enumerate(lengths.tolist()):
             n_used = min(n, tokens)
             if flat[offsets[row] : offsets[row] + n_used].sum() < 2:  # no anchor with a label
                 stats["no_supervised_tokens"] = stats.get("no_supervised_tokens", 0) + 1
                 continue
-            samples.append(Sample(s, row, n_used))
+            prompt, _, answer = ids[row]
+            samples.append(Sample(s, row, n_used, prompt, int(answer)))
     if not samples:
         raise DataError(
             f"no trainable samples in {[str(p) for p in shard_paths]} (skipped: {stats})"
@@ -59,18 +67,25 @@ def index_samples(shard_paths: list[Path], tokens: int, stats: dict) -> list[Sam
 
 
 def split_validation(samples: list[Sample], n: int, seed: int) -> tuple[list[Sample], list[Sample]]:
-    """(train, held out): n samples chosen by a seeded shuffle, the same on every rank and run."""
+    """(train, held out): the first answer of n prompts chosen by a seeded shuffle of the prompts,
+    the same on every rank and run; no answer to a held-out prompt is trained on (with several
+    answers per prompt the others would leak it), and the held-out answers do not depend on how
+    many answers per prompt the data has."""
     if n == 0:
         return samples, []
-    if n >= len(samples):
+    groups = sorted({s.group for s in samples})
+    if n >= len(groups):
         raise DataError(
-            f"train.val_samples {n} would hold out all {len(samples)} trainable samples"
+            f"train.val_samples {n} would hold out all {len(groups)} trainable prompts' answers"
         )
-    order = list(range(len(samples)))
-    random.Random(f"{seed}/validation").shuffle(order)
-    held = set(order[:n])
-    train = [s for i, s in enumerate(samples) if i not in held]
-    return train, [s for i, s in enumerate(samples) if i in held]
+    random.Random(f"{seed}/validation").shuffle(groups)
+    chosen = set(groups[:n])
+    train = [s for s in samples if s.group not in chosen]
+    held: dict[str, Sample] = {}
+    for s in samples:
+        if s.group in chosen and (s.group not in held or s.answer < held[s.group].answer):
+            held[s.group] = s
+    return train, list(held.values())
 
 
 def epoch_plan(

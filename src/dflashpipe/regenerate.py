@@ -1,17 +1,23 @@
 """Stage 2, regenerate: the target answers the training prompts of one shard.
 
-    prompts/train.parquet ──(rows i::n)──► length-sorted batches ──► generate (left padding)
-        ──► part files every `save_every` prompts ──► sequences/shard-{i:05d}.parquet
+    prompts/train.parquet ──(rows i::n)──► length-sorted batches ──► per sample index s < n:
+        generate (left padding) ──► part files every `save_every` prompts
+        ──► identical answers to one prompt dropped ──► sequences/shard-{i:05d}.parquet
 
 Each row holds exactly the tokens the target saw and produced (`input_ids`), a `loss_mask` that
-is 1 only on generated tokens, and a `finish_reason`. Batches are fixed up front from the whole
-shard, so a resumed run decodes the same batches as an uninterrupted one; finished batches live
-in part files beside the output and are never redone. With `regenerate.enabled: false` the rows
-hold the datasets' own answers, tokenized with an assistant-only mask.
+is 1 only on generated tokens, and a `finish_reason`; its `sample_id` is `{prompt_id}-{s}`.
+With `samples_per_prompt: n` every prompt is answered n times: answer 0 greedy (`greedy_first`),
+the others sampled at the stage's temperature / top_p / top_k. Every sampled batch draws from a
+generator seeded by (seed, shard, sample index, batch), so a rerun or a resumed run gives the same
+answers (on the same hardware and software). Batches are fixed up front from the whole shard,
+so a resumed run decodes the same batches as an uninterrupted one; finished batches live in part
+files beside the output and are never redone. With `regenerate.enabled: false` the rows hold the
+datasets' own answers, tokenized with an assistant-only mask.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import shutil
@@ -62,11 +68,12 @@ def plan_batches(lengths: list[int], batch_size: int) -> list[list[int]]:
     return [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
 
 
-def generation_config(gen: RegenerateConfig, eot: set[int], pad_id: int, device: torch.device):
+def generation_config(
+    gen: RegenerateConfig, eot: set[int], pad_id: int, device: torch.device, sampled: bool
+):
     from transformers import GenerationConfig
 
     # A fresh config: the model's own sampling defaults must not leak into "greedy".
-    sampled = gen.temperature > 0
     cache = gen.cache if gen.cache != "auto" else ("static" if device.type == "cuda" else "dynamic")
     extra = (
         {"temperature": gen.temperature, "top_p": gen.top_p, "top_k": gen.top_k} if sampled else {}
@@ -161,9 +168,11 @@ def dataset_rows(rows: list[dict], tok, enable_thinking, stats: Counter) -> list
     return out
 
 
-def _row(prompt_row: dict, ids: list[int], mask: list[int], n_prompt: int, finish: str) -> dict:
+def _row(
+    prompt_row: dict, ids: list[int], mask: list[int], n_prompt: int, finish: str, sample: int = 0
+) -> dict:
     return {
-        "sample_id": f"{prompt_row['prompt_id']}-0",
+        "sample_id": f"{prompt_row['prompt_id']}-{sample}",
         "prompt_id": prompt_row["prompt_id"],
         "input_ids": ids,
         "loss_mask": mask,
@@ -172,13 +181,40 @@ def _row(prompt_row: dict, ids: list[int], mask: list[int], n_prompt: int, finis
     }
 
 
+def sampled(gen: RegenerateConfig, sample: int) -> bool:
+    """Whether answer `sample` of each prompt is sampled (else greedy)."""
+    return gen.temperature > 0 and not (sample == 0 and gen.greedy_first)
+
+
+def batch_seed(seed: int, shard: int, sample: int, batch: int) -> int:
+    """The generator seed of one sampled batch: fixed by its place, not by what ran before."""
+    key = repr((seed, shard, sample, batch)).encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
+
+
+def dedupe_answers(rows: list[dict], stats: Counter) -> list[dict]:
+    """The first of each set of identical answers to one prompt (counted as duplicate_answers)."""
+    seen, out = set(), []
+    for r in rows:
+        key = (r["prompt_id"], tuple(r["input_ids"]))
+        if key in seen:
+            stats["duplicate_answers"] += 1
+            continue
+        seen.add(key)
+        out.append(r)
+    return out
+
+
 def regenerate_rows(rows, model, tok, gen: RegenerateConfig, budget: int, parts: PartStore,
-                    max_batches: int | None = None) -> tuple[list[dict], Counter, bool]:  # fmt: skip
-    """Generate answers for `rows`, saving a part file every `save_every` prompts;
-    returns (rows, stats, finished). Stops at a part boundary once `max_batches` have run."""
+                    max_batches: int | None = None, shard: int = 0
+                    ) -> tuple[list[dict], Counter, bool]:  # fmt: skip
+    """Generate `samples_per_prompt` answers for each of `rows`, saving a part file every
+    `save_every` prompts; returns (rows, stats, finished). Stops at a part boundary once
+    `max_batches` have run."""
     eot = end_of_turn_ids(tok)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else min(eot)
-    gen_cfg = generation_config(gen, eot, pad_id, model.device)
+    kinds = {sampled(gen, s) for s in range(gen.samples_per_prompt)}
+    configs = {kind: generation_config(gen, eot, pad_id, model.device, kind) for kind in kinds}
     prompts = [encode_prompt(tok, r["messages"], gen.enable_thinking) for r in rows]
     longest = min(budget - 1, gen.max_prompt_tokens or budget)
     keep = [i for i, p in enumerate(prompts) if len(p) <= longest]
@@ -187,24 +223,38 @@ def regenerate_rows(rows, model, tok, gen: RegenerateConfig, budget: int, parts:
     # With a static cache every batch takes the shard's widest shape: one compiled decode graph
     # serves them all (transformers also sizes the cache for the longest call so far, so a
     # narrower batch would not decode faster anyway).
-    static = gen_cfg.cache_implementation == "static"
+    static = next(iter(configs.values())).cache_implementation == "static"
     width = padded_shape([len(prompts[i]) for i in keep], 1)[1] if static and keep else 0
     batches = [[keep[i] for i in b] for b in by_length]
     per_part = max(1, gen.save_every // gen.batch_size)
     done = parts.done()
-    todo = [k for k in range(0, len(batches), per_part) if k not in done]
-    bar = tqdm(total=len(keep), desc="regenerate", unit=" prompt", mininterval=2)
-    bar.update(len(keep) - sum(len(b) for k in todo for b in batches[k : k + per_part]))
+    # part files are numbered by their first batch, answer s's batches after answer s-1's
+    todo = [
+        (s, k)
+        for s in range(gen.samples_per_prompt)
+        for k in range(0, len(batches), per_part)
+        if s * len(batches) + k not in done
+    ]
+    total = len(keep) * gen.samples_per_prompt
+    bar = tqdm(total=total, desc="regenerate", unit=" answer", mininterval=2)
+    bar.update(total - sum(len(b) for _, k in todo for b in batches[k : k + per_part]))
     ran, new_tokens, start = 0, 0, time.perf_counter()
-    for first in todo:
+    for sample, first in todo:
         if max_batches is not None and ran >= max_batches:
             bar.close()
             return [], stats, False
         part_rows, part_stats = [], Counter()
-        for batch in batches[first : first + per_part]:
+        for b, batch in enumerate(batches[first : first + per_part], start=first):
             t = time.perf_counter()
+            if sampled(gen, sample):
+                torch.manual_seed(batch_seed(gen.seed, shard, sample, b))
             answers = generate_batch(
-                model, [prompts[i] for i in batch], gen_cfg, eot, gen.batch_size, width
+                model,
+                [prompts[i] for i in batch],
+                configs[sampled(gen, sample)],
+                eot,
+                gen.batch_size,
+                width,
             )
             made = sum(len(new) for new, _ in answers)
             log.info(
@@ -216,18 +266,20 @@ def regenerate_rows(rows, model, tok, gen: RegenerateConfig, budget: int, parts:
             )
             for i, (new, finish) in zip(batch, answers, strict=True):
                 mask = [0] * len(prompts[i]) + [1] * len(new)
-                part_rows.append(_row(rows[i], prompts[i] + new, mask, len(prompts[i]), finish))
+                part_rows.append(
+                    _row(rows[i], prompts[i] + new, mask, len(prompts[i]), finish, sample)
+                )
                 part_stats[f"finish_{finish}"] += 1
             new_tokens += made
             ran += 1
             faults.point("regenerate.batch")
             bar.update(len(batch))
             bar.set_postfix(tok_s=f"{new_tokens / (time.perf_counter() - start):.0f}")
-        parts.save(first, part_rows, part_stats)
+        parts.save(sample * len(batches) + first, part_rows, part_stats)
     bar.close()
     saved, part_stats = parts.load()
     stats.update(part_stats)  # update keeps zero counts (Counter + drops them)
-    return saved, stats, True
+    return dedupe_answers(saved, stats), stats, True
 
 
 def run(
@@ -253,16 +305,15 @@ def run(
     else:
         with stage_device(cfg.devices.extract, shard, "devices.extract") as device:
             log.info("shard %d: %d prompts on %s", shard, len(rows), device)
-            torch.manual_seed(gen.seed * 100_003 + shard)
             model, tok = load_target(cfg.target, device)
             seqs, stats, finished = regenerate_rows(
-                rows, model, tok, gen, budget, parts, max_batches
+                rows, model, tok, gen, budget, parts, max_batches, shard
             )
             if not finished:
                 log.info("stopped after %d batches; rerun to finish %s", max_batches, out_path)
                 return False
     order = {r["prompt_id"]: k for k, r in enumerate(rows)}
-    seqs.sort(key=lambda r: order[r["prompt_id"]])
+    seqs.sort(key=lambda r: order[r["prompt_id"]])  # stable: a prompt's answers by sample index
     meta = {
         "target": target_identity(cfg.target, tok).to_json(),
         "regenerate": json.dumps(cfg.section("regenerate"), sort_keys=True),
