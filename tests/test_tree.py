@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from dflashpipe.tree import DraftTree, build_tree, draft_candidates, walk
+from dflashpipe.tree import DraftTree, build_tree, draft_candidates, grow_tree, walk, walk_static
 
 
 def candidates(S: int, k: int, seed: int, vocab: int = 50) -> tuple[torch.Tensor, torch.Tensor]:
@@ -218,3 +218,75 @@ def test_walk_is_lossless_against_a_greedy_oracle():
     for _ in accepted:
         rollout.append(oracle(tuple(rollout)))
     assert accepted == rollout and accepted[-1] == bonus
+
+
+@pytest.mark.parametrize(
+    ("S", "k", "budget"), [(3, 3, 10), (4, 2, 30), (3, 4, 84), (2, 3, 5), (7, 8, 64), (7, 1, 16)]
+)
+def test_device_tree_is_the_reference_tree_in_fixed_shape(S, k, budget):
+    """grow_tree (graph-safe, no host sync) gives build_tree's nodes in its order, then pads."""
+    for seed in range(3):
+        lp, ids = candidates(S, k, seed)
+        want, got = build_tree(lp, ids, budget), grow_tree(lp, ids, budget)
+        n = want.num_nodes
+        assert got.tokens.shape == (budget,) and got.valid.tolist() == [True] * n + [False] * (
+            budget - n
+        )
+        assert got.tokens[:n].tolist() == want.tokens.tolist()
+        assert got.parents.tolist() == want.parents.tolist() + [-1] * (budget - n)
+        assert got.depth.tolist() == want.depth.tolist() + [1] * (budget - n)
+        assert torch.equal(got.visible, want.attention(budget))
+
+
+def test_device_tree_with_ties_is_a_best_parent_closed_set():
+    # Exact ties may order differently from build_tree's rank rule; the set stays one of the
+    # best-scoring prefix sets, every node's parent in it and before it.
+    lp = torch.tensor([[0.0, -1.0, -1.0], [-1.0, -1.0, -2.0], [0.0, 0.0, -1.0]])
+    ids = torch.tensor([[1, 2, 3], [4, 5, 6], [7, 8, 9]])
+    rows = lp.double().tolist()
+    for budget in range(1, 40):
+        tree = grow_tree(lp, ids, budget)
+        valid = tree.valid.tolist()
+        assert sum(valid) == budget  # 39 prefixes exist
+        ranks: list[tuple[int, ...]] = []
+        for i, (token, parent, depth) in enumerate(
+            zip(tree.tokens.tolist(), tree.parents.tolist(), tree.depth.tolist(), strict=True)
+        ):
+            assert parent < i and depth == (tree.depth[parent].item() + 1 if parent >= 0 else 1)
+            ranks.append(
+                (ranks[parent] if parent >= 0 else ()) + (ids[depth - 1].tolist().index(token),)
+            )
+        assert len(set(ranks)) == budget
+        scores = sorted(sum(rows[d][r] for d, r in enumerate(p)) for p in ranks)
+        best = sorted(sum(rows[d][r] for d, r in enumerate(p)) for p in brute_force(lp, budget))
+        assert scores == best
+
+
+def test_device_walk_keeps_the_reference_path():
+    """walk_static's rows and bonus equal walk's on planted paths through a real tree, at every
+    depth from a root mismatch to a full-depth match."""
+    g = torch.Generator().manual_seed(4)
+    S, budget = 5, 24
+    lp, ids = candidates(S, 3, seed=2)
+    ref, tree = build_tree(lp, ids, budget), grow_tree(lp, ids, budget)
+    parents = ref.parents.tolist()
+    depths_seen = set()
+    for _ in range(60):
+        greedy = torch.randint(50, 100, (budget + 1,), generator=g)  # matches no candidate id
+        node, stop = -1, torch.randint(0, S + 1, (1,), generator=g).item()
+        for _ in range(stop):
+            kids = [i for i in range(ref.num_nodes) if parents[i] == node]
+            if not kids:
+                break
+            pick = torch.randint(len(kids), (1,), generator=g).item()
+            child = kids[0] if torch.rand(1, generator=g).item() < 0.7 else kids[pick]
+            greedy[node + 1] = ref.tokens[child]
+            node = child
+        path, bonus = walk(ref, greedy)
+        rows = walk_static(tree, greedy)
+        L = len(path)
+        depths_seen.add(L)
+        assert rows[: L + 1].tolist() == ref.path_rows(path)
+        assert rows[L:].tolist() == [rows[L].item()] * (S + 1 - L)  # repeated: fixed shape
+        assert greedy[rows[L]].item() == bonus
+    assert {0, ref.max_depth} <= depths_seen

@@ -1,23 +1,24 @@
-"""DDTree decoding on the static engine: one drafter pass, a tree of `budget` nodes, one verify.
+"""DDTree decoding on the static engine: draft, tree, verify, walk and commit in one step.
 
     device state    T = committed length, anchor = last accepted token (engine.py)
     draft           drafter block [anchor, MASK x S] -> per slot 1..S top-k log-probs and ids
-                    packed (S, 2k) float64                       read back: the one draft read
-    host            tree.build_tree(..., budget) -> nodes; padded to `budget` (fixed shape):
-                    plan = [anchor, tokens, pads | depth offsets | ancestor matrix]  -> device
-    verify          target(plan ids) at positions T + depth, slots T..T+budget,
+    tree            tree.grow_tree(..., budget): the best `budget` prefixes, fixed shape
+                    (unreachable ones padded), parents, depths, ancestor matrix
+    verify          target([anchor, node tokens]) at positions T + depth, slots T..T+budget,
                     visible = ancestor-or-self -> greedy g_0..g_budget, tapped states
-                                                                  read back: g (budget+1,)
-    host            tree.walk(g) -> path, bonus; rows = path_rows(path) (root first), padded
-                    to B with the last row             -> device: [len(path)+1, bonus, rows]
+    walk            tree.walk_static(tree, g) -> rows (B,): root, then the matched node per
+                    depth, repeated past the deepest; L = matched depth
     commit          target K/V of slots T + rows -> slots T..T+B-1 (StaticTarget.commit);
-                    drafter.append(states[rows], T); anchor = bonus; T += len(path)+1
+                    drafter.append(states[rows], T); anchor = g[rows[L]]; T += L+1
+                    read back: [L+1, g[rows]] (B+1,), the step's one read-back
 
-Rows past the accepted count are written too (fixed shapes) but lie past T: masked, and
-overwritten by the next step, as in the DFlash step. Each kind (draft per k, verify and commit
-per budget) is captured once as a CUDA graph when the engine uses graphs; on the CPU the same
-step functions run directly. Every accepted token is the target's own greedy choice after its
-ancestors, so the output equals target-only greedy decoding (up to rounding).
+One step kind per (budget, top-k), captured once as a CUDA graph when the engine uses graphs;
+on the CPU the same step function runs directly. Rows past the accepted count are written too
+(fixed shapes) but lie past T: masked, and overwritten by the next step, as in the DFlash step.
+Every accepted token is the target's own greedy choice after its ancestors, so the output equals
+target-only greedy decoding (up to rounding). An earlier version built the tree on the host from
+the read-back candidates (tree.build_tree, now the reference the device tree is tested against):
+three syncs per step cost the H200 more than the verify itself.
 """
 
 from __future__ import annotations
@@ -25,85 +26,54 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
-from torch import Tensor
 
 from dflashpipe.speculative import Decoded
-from dflashpipe.tree import build_tree, walk
+from dflashpipe.tree import grow_tree, walk_static
 
 if TYPE_CHECKING:
     from dflashpipe.engine import Engine
 
 
-def empty_plan(budget: int, device: torch.device) -> Tensor:
-    """The verify input of a tree of pads only: ids 0, offsets [0, 1, ..], each row seeing itself
-    and the root. Warm-up and capture run on it: no row is fully masked (NaN K/V would poison
-    later steps through masked-out columns)."""
-    n = budget + 1
-    visible = torch.eye(n, dtype=torch.long, device=device)  # (n, n)
-    visible[:, 0] = 1
-    offsets = torch.ones(n, dtype=torch.long, device=device)
-    offsets[0] = 0
-    return torch.cat([torch.zeros(n, dtype=torch.long, device=device), offsets, visible.flatten()])
-
-
 class TreeSteps:
     """The DDTree step functions and static buffers of one Engine (which has a drafter); each
-    (top-k, budget) pair registers its step kinds in `engine.steps` on first use."""
+    (budget, top-k) pair registers its step kind in `engine.steps` on first use."""
 
     def __init__(self, engine: Engine):
         self.engine = engine
         self.block_size = engine.drafter.block_size
         self.device = engine.device
-        self.candidates: dict[int, Tensor] = {}  # k -> (S, 2k) float64: [log-probs | ids]
-        self.plans: dict[int, Tensor] = {}  # budget -> ((N+1)(N+3),): ids, offsets, visible
-        self.greedy: dict[int, Tensor] = {}  # budget -> (N+1,)
-        self.states: dict[int, Tensor] = {}  # budget -> (N+1, n_taps*H)
-        # [accepted count, bonus, verify rows to keep (B,)]
-        self.commits = torch.zeros(self.block_size + 2, dtype=torch.long, device=self.device)
+        self.packed: dict[tuple[int, int], torch.Tensor] = {}  # (budget, k) -> [L+1, g[rows]]
 
-    def kinds(self, budget: int, k: int) -> tuple[str, str, str]:
-        """Step kinds (draft, verify, commit) of this pair, registered with their buffers."""
-        e = self.engine
-        draft, verify, commit = f"tree_draft@k{k}", f"tree_verify@{budget}", f"tree_commit@{budget}"
-        if k not in self.candidates:
-            S = self.block_size - 1
-            self.candidates[k] = torch.zeros(S, 2 * k, dtype=torch.float64, device=self.device)
-            e.steps[draft] = lambda: self._draft(k)
-        if budget not in self.plans:
-            self.plans[budget] = empty_plan(budget, self.device)
-            self.greedy[budget] = torch.zeros(budget + 1, dtype=torch.long, device=self.device)
-            width = len(e.target.layer_ids) * e.target.model.config.get_text_config().hidden_size
-            self.states[budget] = torch.zeros(
-                budget + 1, width, dtype=e.target.dtype, device=self.device
+    def kind(self, budget: int, k: int) -> str:
+        """The step kind of this pair, registered with its read-back buffer."""
+        kind = f"tree@{budget}k{k}"
+        if (budget, k) not in self.packed:
+            self.packed[budget, k] = torch.zeros(
+                self.block_size + 1, dtype=torch.long, device=self.device
             )
-            e.steps[verify] = lambda: self._verify(budget)
-            e.steps[commit] = lambda: self._commit(budget)
-        return draft, verify, commit
+            self.engine.steps[kind] = lambda: self._step(budget, k)
+        return kind
 
-    def _draft(self, k: int) -> None:
-        e = self.engine
-        logprobs, ids = e.drafter.top_k(e.anchor, e.length, k)  # (S, k) each
-        self.candidates[k].copy_(torch.cat([logprobs.double(), ids.double()], -1))  # ids exact
-
-    def _verify(self, budget: int) -> None:
+    def _step(self, budget: int, k: int) -> None:
         e, n = self.engine, budget + 1
-        plan = self.plans[budget]
         T = e.length
-        ids, offsets = plan[:n], plan[n : 2 * n]  # (n,) each
-        visible = plan[2 * n :].view(n, n) != 0  # (n, n)
+        logprobs, ids = e.drafter.top_k(e.anchor, T, k)  # (S, k) each
+        tree = grow_tree(logprobs, ids, budget)
+        tokens = torch.cat([e.anchor, tree.tokens])  # (n,)
+        offsets = torch.cat([tree.depth.new_zeros(1), tree.depth])  # (n,)
         slots = T + torch.arange(n, device=self.device)  # (n,)
-        logits, states = e.target.forward(ids, T + offsets, slots, T, visible, taps=True)
-        self.greedy[budget].copy_(logits.argmax(-1))  # (n,)
-        self.states[budget].copy_(states)  # (n, n_taps*H)
-
-    def _commit(self, budget: int) -> None:
-        e, c = self.engine, self.commits
-        T = e.length
-        rows = c[2:]  # (B,)
+        logits, states = e.target.forward(tokens, T + offsets, slots, T, tree.visible, taps=True)
+        greedy = logits.argmax(-1)  # (n,)
+        rows = walk_static(tree, greedy)  # (B,)
+        count = (rows != rows[-1:]).sum(0, keepdim=True) + 1  # (1,): L+1
         e.target.commit(T + rows, T)
-        e.drafter.append(self.states[budget].index_select(0, rows), T)
-        e.anchor.copy_(c[1:2])
-        e.length.add_(c[:1])
+        e.drafter.append(states.index_select(0, rows), T)
+        accepted = greedy.index_select(0, rows)  # (B,): the first L+1 are accepted
+        e.anchor.copy_(accepted[-1:])
+        packed = self.packed[budget, k]
+        packed[:1].copy_(count)
+        packed[1:].copy_(accepted)
+        e.length.add_(count)
 
     def check_fit(self, prompt_length: int, max_new_tokens: int, budget: int, k: int) -> None:
         """Refuse, before decoding, what the static buffers cannot hold."""
@@ -139,32 +109,14 @@ class TreeSteps:
         drafted = the tree's real nodes, per step."""
         e = self.engine
         self.check_fit(len(prompt_ids), max_new_tokens, budget, k)
-        draft, verify, commit = self.kinds(budget, k)
-        # Capture runs the commit on what `commits` holds: rows of an earlier, larger budget
-        # would index past this budget's states; [1, 0, 0..] keeps the root only.
-        self.commits.copy_(torch.tensor([1] + [0] * (self.block_size + 1)))
-        e._capture([draft, verify, commit])
-        B = self.block_size
+        kind = self.kind(budget, k)
+        e._capture([kind])
+        S = self.block_size - 1
+        real = min(budget, sum(k**d for d in range(1, S + 1)))  # nodes a tree holds
 
-        def step(out: list[int]) -> tuple[list[int], int]:
-            e._run(draft)
-            candidates = self.candidates[k].cpu()  # (S, 2k): the draft's one read-back
-            tree = build_tree(candidates[:, :k], candidates[:, k:].long(), budget)
-            plan = torch.cat(
-                [
-                    tree.input_ids(out[-1], budget),
-                    tree.positions(budget),
-                    tree.attention(budget).flatten().long(),
-                ]
-            )
-            self.plans[budget].copy_(plan)
-            e._run(verify)
-            path, bonus = walk(tree, self.greedy[budget].tolist())  # the verify's read-back
-            rows = tree.path_rows(path)
-            rows += rows[-1:] * (B - len(rows))  # fixed shape; the extra rows lie past T
-            self.commits.copy_(torch.tensor([len(path) + 1, bonus, *rows]))
-            e._run(commit)
-            tokens = tree.tokens.tolist()
-            return [tokens[i] for i in path] + [bonus], tree.num_nodes
+        def step(_: list[int]) -> tuple[list[int], int]:
+            e._run(kind)
+            count, *accepted = self.packed[budget, k].tolist()  # the step's one read-back
+            return accepted[:count], real
 
         return e.speculate(prompt_ids, max_new_tokens, stop_ids, True, step)

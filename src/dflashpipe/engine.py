@@ -6,20 +6,22 @@
                                 anchor = the last accepted token (not cached yet)
     greedy step                 target([anchor] at slot T) -> g;  T += 1;  anchor = g
                                 read back: g
-    dflash step   draft         block [anchor, MASK x B-1] at T..T+B-1, keys = context [0, T)
+    dflash step   (one kind)
+                  draft         block [anchor, MASK x B-1] at T..T+B-1, keys = context [0, T)
                                 + the block itself -> d_1..d_{B-1}            (stays on device)
                   verify        target([anchor, d]) at slots T..T+B-1 -> g_0..g_{B-1}, taps
                                 drafter.append(taps, T): all B rows, only the accepted stay valid
                                 n = matched prefix of d vs g;  T += n+1;  anchor = g_n
                                 read back: [n+1, g_0..g_{B-1}]                 (one int tensor)
-    ddtree step   (ddtree.py)   draft top-k -> host builds the tree -> verify [anchor + nodes]
-                                in one forward -> host walks it -> commit the path's K/V rows
-                                read back: the (S, k) candidates, then g per tree row
+    ddtree step   (ddtree.py)   draft top-k -> the tree of `budget` nodes (fixed shape) ->
+                                verify [anchor + nodes] in one forward -> walk -> commit the
+                                matched path's K/V rows, all on the device
+                                read back: [L+1, accepted tokens]              (one int tensor)
 
 Fixed shapes: every step writes its rows at slots T..T+B-1 whatever is accepted and advances T
 on the device by the accepted count; rows past T are masked and overwritten by the next step, so
-nothing is trimmed and no host value enters a step (a DDTree step's tree is the exception: the
-host builds it and copies it in). On CUDA each step kind is captured once as a
+nothing is trimmed and no host value enters a step (prompt lookup's host drafts are the
+exception: they are copied in). On CUDA each step kind is captured once as a
 CUDA graph over static buffers and replayed; the host reads back one small tensor per step (the
 decision to stop needs it). On the CPU the same step functions run directly.
 
@@ -93,8 +95,7 @@ class Engine:
         self.offsets = torch.arange(B, **long)
         self.steps: dict[str, Callable[[], None]] = {
             "greedy": self._greedy_step,
-            "draft": self._draft_step,
-            "verify": self._verify_step,
+            "dflash": self._dflash_step,
         }
         self.captures: Counter[str] = Counter()  # graph captures per step kind (once each)
         self._graphs: dict[str, torch.cuda.CUDAGraph] = {}
@@ -111,10 +112,9 @@ class Engine:
         self.anchor.copy_(g)
         self.length.add_(1)
 
-    def _draft_step(self) -> None:
+    def _dflash_step(self) -> None:
+        """Draft a block, verify it: one step kind, so one graph replay per step."""
         self.drafts.copy_(self.drafter.propose(self.anchor, self.length))  # (B-1,)
-
-    def _verify_step(self) -> None:
         T = self.length
         slots = T + self.offsets  # (B,): positions too
         ids = torch.cat([self.anchor, self.drafts])  # (B,)
@@ -240,11 +240,10 @@ class Engine:
             raise ValueError("this Engine was built without a drafter; pass drafter= to decode")
         B = self.drafter.block_size
         self._check_fit(len(prompt_ids), max_new_tokens, B)
-        self._capture(["draft", "verify"])
+        self._capture(["dflash"])
 
         def step(_: list[int]) -> tuple[list[int], int]:
-            self._run("draft")
-            self._run("verify")
+            self._run("dflash")
             count, *greedy = self.packed.tolist()  # the step's one read-back
             return greedy[:count], B - 1  # accepted drafts (= the target's tokens), the bonus
 

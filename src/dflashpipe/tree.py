@@ -28,8 +28,10 @@ that pushed it: its parent or its previous sibling):
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -184,6 +186,97 @@ def build_tree(
         children=children,
         max_depth=max(depths, default=0),
     )
+
+
+class StaticTree(NamedTuple):
+    """A draft tree in fixed shapes, for a step captured as a CUDA graph: always `budget` node
+    rows, the unreachable ones (`valid` False) padded as `DraftTree`'s pads are."""
+
+    tokens: Tensor  # (N,) long; a pad's is some candidate id (no real row sees a pad)
+    parents: Tensor  # (N,) long; -1 = the root (and every pad)
+    depth: Tensor  # (N,) long, 1..S; a pad's 1
+    valid: Tensor  # (N,) bool
+    visible: Tensor  # (N+1, N+1) bool over [root, nodes]: ancestor-or-self, as `attention`
+    slots: int  # S, the deepest a node can be
+
+
+def grow_tree(top_logprobs: Tensor, top_ids: Tensor, budget: int) -> StaticTree:
+    """`build_tree` on the device, without a host sync or a data-dependent shape: the same
+    nodes, parents and order when no two prefixes score exactly alike (tests compare), and always
+    a best-scoring, parent-closed set of min(budget, sum_d k^d) prefixes.
+
+    A beam per depth: the best N prefixes of depth d are among the N best of depth d-1 extended
+    by one rank each (a prefix never outscores its parent), so S sorts of N*k candidates hold
+    every node the tree needs; one stable sort of the S*N, depth-major, picks the tree (a parent
+    scores no less than its child and sits at the shallower depth, so it always comes first).
+    Scores are float64 sums, as in `build_tree`; log-probs are clamped to -1e30 so that only an
+    unreachable prefix scores -inf."""
+    if budget < 1:
+        raise ValueError(f"budget {budget} must be >= 1")
+    S, k = top_logprobs.shape
+    device = top_ids.device
+    lp, order = top_logprobs.double().clamp_min(-1e30).sort(dim=-1, descending=True, stable=True)
+    ids = top_ids.gather(-1, order)  # (S, k)
+    beam = torch.full((budget,), -math.inf, dtype=torch.float64, device=device)  # (N,)
+    beam[0] = 0.0  # the root
+    scores, parent_pos, tokens = [], [], []
+    for d in range(S):
+        cand = (beam[:, None] + lp[d][None, :]).flatten()  # (N*k,): parent-major, then rank
+        best = cand.sort(descending=True, stable=True).indices[:budget]  # (N,)
+        beam = cand[best]
+        scores.append(beam)
+        parent_pos.append(best // k)  # the parent's position in the previous depth's beam
+        tokens.append(ids[d][best % k])
+    flat = torch.cat(scores)  # (S*N,), depth-major
+    chosen = flat.sort(descending=True, stable=True).indices[:budget]  # (N,) flat positions
+    valid = flat[chosen] > -math.inf
+    depth0 = chosen // budget  # (N,) depth - 1
+    node_of = torch.full((S * budget,), -1, dtype=torch.long, device=device)
+    node_of[chosen] = torch.arange(budget, device=device)
+    up = torch.cat(parent_pos)[chosen] + (depth0 - 1) * budget  # the parent's flat position
+    parents = torch.where(valid & (depth0 > 0), node_of[up.clamp_min(0)], -1)
+    depth = torch.where(valid, depth0 + 1, 1)
+    return StaticTree(
+        tokens=torch.cat(tokens)[chosen],
+        parents=parents,
+        depth=depth,
+        valid=valid,
+        visible=_ancestors(parents, S),
+        slots=S,
+    )
+
+
+def _ancestors(parents: Tensor, max_depth: int) -> Tensor:
+    """(n+1, n+1) bool over [root, nodes]: row i sees j iff j is i, an ancestor or the root.
+    Pointer doubling (the root is its own parent), log2(max_depth) vectorized steps."""
+    n = parents.shape[0] + 1
+    up = torch.cat([parents.new_zeros(1), parents + 1])  # (n,)
+    seen = torch.eye(n, dtype=torch.bool, device=parents.device)  # (n, n)
+    hops = 1
+    while hops <= max_depth:
+        seen = seen | seen[up]
+        up = up[up]
+        hops *= 2
+    seen[:, 0] = True
+    return seen
+
+
+def walk_static(tree: StaticTree, greedy: Tensor) -> Tensor:
+    """`walk` on the device: greedy (N+1,) is the target's argmax after each verify row. Returns
+    rows (S+1,): rows[d] = the verify row of the matched node at depth d (rows[0] = the root),
+    repeated past the deepest match. Accepted = greedy[rows[:L+1]] (the last is the bonus), L
+    the matched depth; the cache keeps rows[:L+1]."""
+    ok = tree.valid & (tree.tokens == greedy.index_select(0, tree.parents + 1))  # (N,)
+    nodes = tree.visible[1:, 1:]  # (N, N): ancestor-or-self among the nodes
+    matched = ~(nodes & ~ok[None, :]).any(-1)  # (N,): every node from the root down matches
+    # The matched nodes are one chain (ids are distinct within a slot), at most one per depth.
+    # Unmatched nodes all write 0 into rows[0], the root's row; along the chain rows increase
+    # (parents precede children), so a running max fills the depths past the deepest match.
+    n = matched.shape[0]
+    rows = torch.zeros(tree.slots + 1, dtype=torch.long, device=greedy.device)  # (S+1,)
+    row = torch.where(matched, torch.arange(1, n + 1, device=greedy.device), 0)  # (N,)
+    rows.scatter_(0, torch.where(matched, tree.depth, 0), row)
+    return rows.cummax(0).values
 
 
 def walk(tree: DraftTree, greedy: Sequence[int] | Tensor) -> tuple[list[int], int]:
