@@ -114,7 +114,13 @@ def test_metrics_json(tiny_target_dir, target_config, eval_table, tmp_path):
     # budget, lossless in float32 like DFlash
     assert metrics["engine"] == {"kind": "static", "graphs": False, "compiled": False}
     methods = metrics["methods"]
-    assert set(methods) == {"target", "dflash", "prompt_lookup"}
+    assert set(methods) == {"target", "dflash", "prompt_lookup", "prompt_lookup_best"}
+    # the baseline's speed is its best configuration's, decoded per source; the configured kept
+    assert lookup["tokens_per_s"] == methods["prompt_lookup_best"]["decode_tokens_per_s"]
+    assert lookup["speedup"] == methods["prompt_lookup_best"]["speedup"]
+    assert lookup["configured_speedup"] == methods["prompt_lookup"]["speedup"]
+    for source, tau in lookup["per_source"].items():
+        assert lookup["timed_per_source"][source] >= tau - 1e-9  # replay: a lower bound
     assert methods["dflash"]["acceptance_length"] == metrics["acceptance_length"]
     assert methods["dflash"]["lossless_fraction"] == 1.0
     assert {m["engine"] for m in methods.values()} == {"static"}
@@ -169,6 +175,7 @@ def test_bf16_run_reports_agreement_and_checks_losslessness_in_float32(
             "target",
             "dflash",
             "prompt_lookup",
+            "prompt_lookup_best",
         }
         assert metrics["baseline"]["prompt_lookup"]["speedup_against"] == "target"
 

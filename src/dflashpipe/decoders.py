@@ -99,11 +99,32 @@ class Decoders:
             return e.dflash(ids, n, stop_ids)
         if method == "dflash":
             return speculative_decode(self.target, self.dflash, ids, n, stop_ids)
-        if method == "prompt_lookup" and e is not None:
-            return e.lookup(ids, n, stop_ids, self.lookup)
         if method == "prompt_lookup":
-            return speculative_decode(self.target, self.lookup, ids, n, stop_ids)
+            return self._lookup(ids, n, stop_ids, self.lookup)
         return e.ddtree(ids, n, stop_ids, self.budgets[method], self.top_k)
+
+    def _lookup(
+        self, ids: list[int], n: int, stop_ids: set[int], proposer: PromptLookupProposer
+    ) -> Decoded:
+        if self.engine is not None:
+            return self.engine.lookup(ids, n, stop_ids, proposer)
+        return speculative_decode(self.target, proposer, ids, n, stop_ids)
+
+    def lookup_all(
+        self, prompts: list[tuple[dict, list[int]]], configs: Sequence[LookupConfig],
+        max_new_tokens: int, stop_ids: set[int], desc: str,
+    ) -> list[Decoded]:  # fmt: skip
+        """Prompt lookup once more, prompt k with configs[k] (e.g. its source's best), each
+        configuration warmed up first, as decode_all does."""
+        proposers = {c: PromptLookupProposer(**asdict(c)) for c in dict.fromkeys(configs)}
+        for proposer in proposers.values():
+            self._lookup(prompts[0][1], min(max_new_tokens, 8), stop_ids, proposer)
+        return [
+            self._lookup(ids, max_new_tokens, stop_ids, proposers[c])
+            for (_, ids), c in tqdm(
+                list(zip(prompts, configs, strict=True)), desc=desc, unit=" prompt"
+            )
+        ]
 
     def decode_all(
         self, prompts: list[tuple[dict, list[int]]], max_new_tokens: int, stop_ids: set[int],

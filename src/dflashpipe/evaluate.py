@@ -4,6 +4,8 @@
       ─► per prompt (`workers` processes side by side, each a slice of the prompts), one
          engine per process (decoders.py: the static engine, or the eager loop), run dtype:
            target-only greedy │ DFlash drafter │ DDTree per tree_nodes budget │ prompt lookup
+      ─► prompt lookup's grid replayed on this process's target-only outputs; each prompt
+         decoded again with its source's best configuration (`prompt_lookup_best`, timed)
       ─► run dtype not float32 (bf16 on GPU): bf16 agreement; target + drafter to float32,
          target-only, DFlash and DDTree decoded again for the lossless check
       ─► prompt lookup's grid (lookup.py GRID) replayed on the target-only outputs: every
@@ -15,8 +17,8 @@ tau (acceptance length) = accepted drafts + 1 per verify step, averaged per resp
 responses (responses without a verify step, e.g. EOS first, have no tau). Speeds are decode
 tokens/s (tokens after the prefill's first one over the time after the prefill), summed over
 responses; speedup = speculative / target-only in the same engine and process (prompt lookup is
-an engine step too: its configured setting is decoded and timed, the others are replayed, which
-gives the same acceptances since decoding is greedy). The drafter is checked against the target
+an engine step too: its configured setting and each source's best are decoded and timed, the
+others only replayed, which gives the same acceptances since decoding is greedy). The drafter is checked against the target
 before any decoding: a drafter made for another target cannot be evaluated meaningfully.
 """
 
@@ -39,8 +41,8 @@ from dflashpipe.config import TargetConfig
 from dflashpipe.decoders import ENGINES, METHODS, Decoders
 from dflashpipe.errors import ConfigError, DataError
 from dflashpipe.export import CONFIG_NAME, config_from_dict, load_drafter
-from dflashpipe.figures import summarize
-from dflashpipe.lookup import OCCURRENCES, SEARCHES, LookupConfig, sweep
+from dflashpipe.figures import best_per_source, summarize
+from dflashpipe.lookup import GRID, OCCURRENCES, SEARCHES, LookupConfig, sweep
 from dflashpipe.model import DrafterConfig
 from dflashpipe.speculative import Decoded
 from dflashpipe.storage import write_json
@@ -222,6 +224,11 @@ def decode_and_check(
     timed = decoders(ev.methods)
     try:
         main = timed.decode_all(prompts, n, stop_ids, f"evaluate{worker}")
+        if "prompt_lookup" in main and ev.prompt_lookup_sweep:  # the baseline at its best
+            best = best_lookups(prompts, main["target"], n, stop_ids)
+            main["prompt_lookup_best"] = timed.lookup_all(
+                prompts, best, n, stop_ids, f"prompt lookup, best{worker}"
+            )
     finally:
         timed.close()
     checked = [m for m in main if m == "target" or m == "dflash" or m.startswith("ddtree@")]
@@ -239,6 +246,20 @@ def decode_and_check(
         return main, fp32.decode_all(prompts, n, stop_ids, f"float32{worker}"), info
     finally:
         fp32.close()
+
+
+def best_lookups(
+    prompts: list[tuple[dict, list[int]]], target: list[Decoded], max_new_tokens: int,
+    stop_ids: set[int],
+) -> list[LookupConfig]:  # fmt: skip
+    """Per prompt, the prompt-lookup configuration of lookup.GRID with the highest tau on its
+    source, replayed on these target-only outputs."""
+    swept = sweep(
+        [ids for _, ids in prompts], [r.output_ids for r in target], max_new_tokens, stop_ids
+    )
+    names = best_per_source(prompts, swept)
+    grid = {c.name: c for c in GRID}
+    return [grid[names[row["source"]]] for row, _ in prompts]
 
 
 def _decode_slice(target_cfg: TargetConfig, drafter_dir: str, device: str, prompts: list,

@@ -189,22 +189,48 @@ def summarize(
     }
     if looked_up is not None:
         baseline = lookup_baseline(prompts, dflash, looked_up, lookup, lookup_sweep or {})
-        timed = methods["prompt_lookup"]
+        configured = methods["prompt_lookup"]
+        timed = methods.get("prompt_lookup_best", configured)
+        which = (
+            "each prompt decoded again with its source's best configuration (of its worker's "
+            "slice when evaluate.workers > 1)"
+            if "prompt_lookup_best" in methods
+            else "the configured one's"
+        )
         baseline |= {
             "method": "n-gram prompt lookup: the best configuration per source of a sweep "
-            "replayed on the target-only outputs; speed and speedup are the configured one's, "
-            f"decoded through the same engine as the drafter ({engine['kind']})",
+            f"replayed on the target-only outputs; speed and speedup are {which}, decoded "
+            f"through the same engine as the drafter ({engine['kind']})",
             "tokens_per_s": timed["decode_tokens_per_s"],
             "speedup": timed["speedup"],
             "speedup_against": timed["speedup_against"],
+            "configured_tokens_per_s": configured["decode_tokens_per_s"],
+            "configured_speedup": configured["speedup"],
             "identical_to_target_fraction": _mean(_identical(target, looked_up)),
         }
+        if "prompt_lookup_best" in main:  # decoded: the last step may accept past the replay
+            baseline["timed_per_source"] = tau_per_source(prompts, main["prompt_lookup_best"])
         best = baseline.pop("best_responses")
         for response, r in zip(responses, best, strict=True):
             response["prompt_lookup_acceptance_length"] = r.acceptance_length
         baseline["dflash_ahead"] = ahead_per_source(prompts, dflash, best)
         metrics["baseline"]["prompt_lookup"] = baseline
     return metrics
+
+
+def best_per_source(
+    prompts: list[tuple[dict, list[int]]], runs: dict[str, list[Decoded]]
+) -> dict[str, str]:
+    """Per eval source, the name of the run (e.g. a prompt-lookup configuration) with the
+    highest mean acceptance length there; the first listed wins a tie."""
+    taus = {name: tau_per_source(prompts, results) for name, results in runs.items()}
+    sources = sorted({row["source"] for row, _ in prompts})
+
+    def tau(name: str, source: str) -> float:
+        t = taus[name].get(source)
+        return -1.0 if t is None else t
+
+    return {s: max(runs, key=lambda name: tau(name, s)) for s in sources}
 
 
 def lookup_baseline(
@@ -223,13 +249,8 @@ def lookup_baseline(
         }
         for name, results in runs.items()
     ]
-    sources = sorted({row["source"] for row, _ in prompts})
-
-    def tau(row: dict, source: str) -> float:
-        t = row["per_source"].get(source)
-        return -1.0 if t is None else t
-
-    best = {s: max(rows, key=lambda row: tau(row, s)) for s in sources}
+    by_name = {row["config"]: row for row in rows}
+    best = {s: by_name[name] for s, name in best_per_source(prompts, runs).items()}
     overall = max(rows, key=lambda row: row["acceptance_length"] or -1.0)
     pick = {s: runs[row["config"]] for s, row in best.items()}
     return {

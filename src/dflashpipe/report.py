@@ -144,7 +144,8 @@ def methods_table(evaluation: dict) -> str:
         return "| method | decode tokens/s |\n|---|---|\n" + "\n".join(
             f"| {name} | {speed:.1f} |" for name, speed in rows
         )
-    names = {"target": "target only", "dflash": "DFlash drafter", "prompt_lookup": "prompt lookup"}
+    names = {"target": "target only", "dflash": "DFlash drafter", "prompt_lookup": "prompt lookup",
+             "prompt_lookup_best": "prompt lookup, best per source"}  # fmt: skip
     rows = [(names.get(m, m), r) for m, r in evaluation["methods"].items()]
     rows += [(f"DDTree, {n} nodes", r) for n, r in evaluation.get("ddtree", {}).items()]
     lines = [
