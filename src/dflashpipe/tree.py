@@ -217,8 +217,9 @@ def grow_tree(top_logprobs: Tensor, top_ids: Tensor, budget: int) -> StaticTree:
     device = top_ids.device
     lp, order = top_logprobs.double().clamp_min(-1e30).sort(dim=-1, descending=True, stable=True)
     ids = top_ids.gather(-1, order)  # (S, k)
-    beam = torch.full((budget,), -math.inf, dtype=torch.float64, device=device)  # (N,)
-    beam[0] = 0.0  # the root
+    # (N,): the root alone (no host scalar is written: a CUDA graph captures this)
+    beam = torch.full((budget,), -math.inf, dtype=torch.float64, device=device)
+    beam = torch.where(torch.arange(budget, device=device) == 0, 0.0, beam)
     scores, parent_pos, tokens = [], [], []
     for d in range(S):
         cand = (beam[:, None] + lp[d][None, :]).flatten()  # (N*k,): parent-major, then rank
