@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from dflashpipe.kvcache import compiled
 from dflashpipe.speculative import Decoded
 from dflashpipe.tree import grow_tree, walk_static
 
@@ -43,6 +44,10 @@ class TreeSteps:
         self.block_size = engine.drafter.block_size
         self.device = engine.device
         self.packed: dict[tuple[int, int], torch.Tensor] = {}  # (budget, k) -> [L+1, g[rows]]
+        # The search and the walk are dozens of small ops: compiled with the engine's layers,
+        # one graph per (budget, k) shape.
+        self.grow = compiled(grow_tree, engine.compiled)
+        self.walk = compiled(walk_static, engine.compiled)
 
     def kind(self, budget: int, k: int) -> str:
         """The step kind of this pair, registered with its read-back buffer."""
@@ -58,13 +63,13 @@ class TreeSteps:
         e, n = self.engine, budget + 1
         T = e.length
         logprobs, ids = e.drafter.top_k(e.anchor, T, k)  # (S, k) each
-        tree = grow_tree(logprobs, ids, budget)
+        tree = self.grow(logprobs, ids, budget)
         tokens = torch.cat([e.anchor, tree.tokens])  # (n,)
         offsets = torch.cat([tree.depth.new_zeros(1), tree.depth])  # (n,)
         slots = T + torch.arange(n, device=self.device)  # (n,)
         logits, states = e.target.forward(tokens, T + offsets, slots, T, tree.visible, taps=True)
         greedy = logits.argmax(-1)  # (n,)
-        rows = walk_static(tree, greedy)  # (B,)
+        rows = self.walk(tree, greedy)  # (B,)
         count = (rows != rows[-1:]).sum(0, keepdim=True) + 1  # (1,): L+1
         e.target.commit(T + rows, T)
         e.drafter.append(states.index_select(0, rows), T)

@@ -189,8 +189,11 @@ class StaticTarget:
         self.num_kv_heads = attn.k_proj.out_features // self.head_dim
         self.groups = attn.q_proj.out_features // attn.k_proj.out_features
         shape = (1, self.num_kv_heads, self.capacity, self.head_dim)
-        self.k = kv_buffers(len(self.base.layers), shape, weight)
-        self.v = kv_buffers(len(self.base.layers), shape, weight)
+        # One buffer for every layer's K and V (layer i's K at i, its V at n + i), so a tree's
+        # commit moves the accepted slots of all layers in one gather and one scatter.
+        n = len(self.base.layers)
+        self.kv = torch.zeros((2 * n, *shape), dtype=weight.dtype, device=weight.device)
+        self.k, self.v = list(self.kv[:n]), list(self.kv[n:])  # per-layer views
         self.cols = torch.arange(self.capacity, device=self.device)  # (L,)
         with torch.no_grad():
             # The model's own rotary embedding over every slot once: per position the same
@@ -244,8 +247,7 @@ class StaticTarget:
         """Copy the K/V at src_slots (n,) to the contiguous slots dst_start.. (a tree's accepted
         path moved behind the prefix). The sources are gathered first, so ranges may overlap."""
         dst = dst_start + torch.arange(src_slots.shape[0], device=self.device)  # (n,)
-        for buf in (*self.k, *self.v):
-            buf.index_copy_(2, dst, buf.index_select(2, src_slots))
+        self.kv.index_copy_(3, dst, self.kv.index_select(3, src_slots))  # (2L, 1, n_kv, slot, D)
 
 
 class StaticDrafter:
