@@ -129,3 +129,33 @@ def test_a_variant_listed_before_the_run_it_reads_fails_before_anything_runs(tmp
     made.parent.mkdir(parents=True)
     made.write_text("{}")
     quality.check_order(runs, ["code"])  # the run it reads exists already
+
+
+def test_every_overlay_is_a_valid_config_on_the_recipe():
+    """Each variant's config (the recipe, then its overlay merged in, as Snakemake merges
+    --configfile) passes the schema and the config checks: a typo in an overlay fails here, not
+    after a GPU run's regenerate."""
+    import yaml
+
+    from dflashpipe.config import Config
+
+    def merged(base: dict, over: dict) -> dict:
+        out = dict(base)
+        for key, value in over.items():
+            both = isinstance(value, dict) and isinstance(out.get(key), dict)
+            out[key] = merged(out[key], value) if both else value
+        return out
+
+    recipe = yaml.safe_load((REPO / "configs" / "smollm2-sharegpt.yaml").read_text())
+    overlays = sorted((REPO / "benchmarks" / "quality").glob("*.yaml"))
+    assert len(overlays) >= 10
+    for path in overlays:
+        over = yaml.safe_load(path.read_text()) or {}
+        cfg = Config.from_dict(merged(recipe, over))
+        for section, values in over.items():
+            for key, value in values.items():
+                nested = isinstance(value, dict) or (
+                    isinstance(value, list) and any(isinstance(v, dict) for v in value)
+                )  # sections and sources get their defaults filled in
+                if not nested:
+                    assert cfg.section(section)[key] == value, (path.name, section, key)

@@ -115,6 +115,21 @@ def test_extra_features_are_trained_on_but_never_held_out(tmp_path, tiny_feature
         trainer("d", extra_features=[str(extra / "manifest.json")])
 
 
+def test_adamw_betas_come_from_the_config(tmp_path, tiny_features):
+    from dflashpipe.errors import ConfigError
+
+    raw = json.loads(json.dumps(tiny_features["raw"]))
+    raw["train"].pop("betas", None)
+    assert Config.from_dict(raw).section("train")["betas"] == [0.9, 0.95]  # the default
+    raw["train"]["betas"] = [0.9, 0.999]
+    cfg = Config.from_dict(raw)
+    trainer = Trainer(cfg, tiny_features["manifest"], tmp_path / "b", torch.device("cpu"))
+    assert trainer.optimizer.param_groups[0]["betas"] == (0.9, 0.999)
+    raw["train"]["betas"] = [0.9, 1.0]
+    with pytest.raises(ConfigError, match="betas"):
+        Config.from_dict(raw)
+
+
 def test_two_processes(tmp_path, tiny_features):
     args, out = _train(tmp_path, tiny_features, "ddp", cpu_processes=2, epochs=1, val_samples=8)
     launch(*args)

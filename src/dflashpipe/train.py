@@ -238,7 +238,7 @@ class Trainer:
     def _build_optimizer(self) -> None:
         params = [p for p in self.drafter.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(params, lr=self.tc["lr"], weight_decay=self.tc["weight_decay"],
-                                           betas=(0.9, 0.95), fused=self.device.type == "cuda")  # fmt: skip
+                                           betas=tuple(self.tc["betas"]), fused=self.device.type == "cuda")  # fmt: skip
         warmup = max(1, round(self.tc["warmup_ratio"] * self.total_steps))
 
         def schedule(step: int) -> float:
