@@ -182,6 +182,30 @@ def tiny_features(tiny_target_dir, tmp_path_factory) -> dict:
     return {"dir": out, "manifest": out / "manifest.json", "shards": shards, "raw": raw}
 
 
+@pytest.fixture(scope="session")
+def tiny_topk_features(tiny_features, tmp_path_factory) -> dict:
+    """tiny_features' sequences extracted again with top-8 soft targets (extract.topk 8): two
+    shards + manifest, and the config dict that made them."""
+    raw = json.loads(json.dumps(tiny_features["raw"]))
+    raw["extract"]["topk"] = 8
+
+    def build(out: Path) -> None:
+        from dflashpipe.config import Config
+        from dflashpipe.extract import run as extract
+        from dflashpipe.shards import build_manifest
+        from dflashpipe.storage import write_json
+
+        cfg = Config.from_dict(raw)
+        for i in range(2):
+            seq = tiny_features["dir"] / f"seq-{i}.parquet"
+            extract(cfg, str(seq), i, str(out / f"shard-{i:05d}.arrow"))
+        write_json(out / "manifest.json", build_manifest(sorted(out.glob("shard-*.arrow"))))
+
+    out = shared_dir(tmp_path_factory, "topk-features", build)
+    shards = [out / f"shard-{i:05d}.arrow" for i in range(2)]
+    return {"dir": out, "manifest": out / "manifest.json", "shards": shards, "raw": raw}
+
+
 def small_default_config(path: Path) -> Path:
     """config.yaml with fewer prompts, tokens and steps: the whole workflow in minutes on CPU."""
     raw = yaml.safe_load((REPO / "config.yaml").read_text())

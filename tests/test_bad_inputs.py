@@ -197,6 +197,18 @@ def _(env):
     return extract_run(env, config, seq)
 
 
+@case(
+    "config-topk-vocab",
+    "config",
+    "extract.topk larger than the target's vocabulary",
+    r"extract\.topk 100000 is larger than the vocabulary of target .* \(49152 tokens\)",
+)
+def _(env):
+    return extract_run(
+        env, env.config(extract={"topk": 100000}), env.features["dir"] / "seq-0.parquet"
+    )
+
+
 @case("config-missing-target", "config", "no target.model", r"target: 'model' is missing")
 def _(env):
     raw = env.raw()
@@ -466,6 +478,30 @@ def _(env):
     manifest.write_text(json.dumps(m))
     run, outs = train_run(env, env.config(), manifest)
     return run, outs
+
+
+@case(
+    "features-no-topk",
+    "manifest",
+    "train.distill_weight > 0 on features extracted without soft targets",
+    r"manifest\.json: the features have no top-k soft targets \(made with extract\.topk 0\), "
+    r"but train\.distill_weight 0\.5",
+)
+def _(env):
+    manifest, _ = env.copy_features()
+    return train_run(env, env.config(train={"distill_weight": 0.5}), manifest)
+
+
+@case(
+    "features-shard-no-topk",
+    "feature shards",
+    "a manifest promising soft targets its shards lack",
+    r"shard-00000\.arrow: topk 0 differs from the manifest's 8",
+)
+def _(env):
+    manifest, _ = env.copy_features()
+    edit_manifest(manifest, lambda m: m.update(topk=8))
+    return train_run(env, env.config(train={"distill_weight": 0.5}), manifest)
 
 
 # ------------------------------------------------------------------------------- checkpoints

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from dflashpipe.codecs import CODECS, decode, encode
+from dflashpipe.codecs import CODECS, decode, decode_topk, encode, pack_topk
 from dflashpipe.errors import DataError
 
 
@@ -80,3 +80,22 @@ def test_a_plane_longer_than_the_block_is_a_data_error():
     enc = encode(_block(), "bf16-zstd", n_layers=3)  # 37 tokens, read as if it held 36
     with pytest.raises(DataError, match="more than the expected 6912 bytes"):
         decode(enc, "bf16-zstd", 36, 192, 3)
+
+
+def test_topk_soft_targets_round_trip_bit_exact():
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 151_936, (37, 8), generator=g, dtype=torch.int32)
+    logprobs = -torch.rand(37, 8, generator=g).mul(30).sort(-1).values.half()
+    logprobs[0, 7] = torch.finfo(torch.float16).min  # the floor extract clamps to
+    frames = pack_topk(ids, logprobs)
+    got_ids, got_lp = decode_topk(*frames, 37, 8)
+    assert (got_ids.dtype, got_lp.dtype) == (torch.int32, torch.float16)
+    assert torch.equal(got_ids, ids) and torch.equal(
+        got_lp.view(torch.int16), logprobs.view(torch.int16)
+    )
+    with pytest.raises(DataError, match="top-k ids hold 1184 bytes, expected 1280"):
+        decode_topk(*frames, 40, 8)
+    with pytest.raises(DataError, match="cannot decode the top-k log-probs of 37x8"):
+        decode_topk(frames[0], frames[1][:-6], 37, 8)
+    with pytest.raises(ValueError, match="int32 ids and float16 log-probs"):
+        pack_topk(ids.long(), logprobs)

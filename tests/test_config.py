@@ -98,6 +98,20 @@ def test_semantic_checks(tmp_path):
     assert "template must contain {prompt}" in _error(raw)
 
 
+def test_reserved_path_names(tmp_path):
+    raw = base_config(tmp_path)
+    raw["prompts"]["sources"].append({"name": "std", "kind": "python", "path": "<stdlib>"})
+    std = Config.from_dict(raw).prompts.sources[-1]
+    assert std.path == "<stdlib>" and std.file is None  # no workflow input to make or wait for
+    assert Config.from_dict(raw).prompts.sources[0].file == raw["prompts"]["sources"][0]["path"]
+    raw["prompts"]["sources"][-1]["path"] = "<stdlibs>"
+    assert "prompts.sources 'std': path <stdlibs> (kind python) is not a known reserved" in _error(
+        raw
+    )
+    raw["prompts"]["sources"][-1].update(path="<stdlib>", kind="jsonl")
+    assert "'std': path <stdlib> (kind jsonl) is not a known reserved name" in _error(raw)
+
+
 def test_retrieve_entry_checked(tmp_path):
     raw = base_config(tmp_path)
     raw["retrieve"] = {
@@ -150,3 +164,19 @@ def test_evaluate_tree_settings_checked(tmp_path):
     assert "evaluate.tree_nodes: [] should be non-empty" in _error(raw)
     evaluate = Config.from_dict(base_config(tmp_path)).raw["evaluate"]
     assert evaluate["tree_nodes"] == [16, 32, 64, 128] and "ddtree" in evaluate["methods"]
+
+
+def test_soft_target_keys_default_off_and_are_checked(tmp_path):
+    import dataclasses
+
+    cfg = Config.from_dict(base_config(tmp_path))
+    assert (cfg.extract.topk, cfg.train.distill_weight) == (0, 0)
+    raw = base_config(tmp_path)
+    raw.update(extract={"topk": -1}, train={"distill_weight": 1.5})
+    msg = _error(raw)
+    assert "extract.topk: -1 is less than the minimum of 0" in msg
+    assert "train.distill_weight: 1.5 is greater than the maximum of 1" in msg
+    with pytest.raises(ConfigError, match=r"train\.distill_weight is -0\.1; expected a share"):
+        dataclasses.replace(cfg.train, distill_weight=-0.1)  # made without the schema
+    with pytest.raises(ConfigError, match=r"extract\.topk is -2"):
+        dataclasses.replace(cfg.extract, topk=-2)

@@ -152,15 +152,20 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-12))
 
 
-def test_compiled_chunked_loss_matches_eager_on_cuda():
+@pytest.mark.parametrize("distill_weight", [0.0, 0.5])
+def test_compiled_chunked_loss_matches_eager_on_cuda(distill_weight):
     g = torch.Generator(device="cuda").manual_seed(0)
     hidden = torch.randn(32, 16, 128, device="cuda", generator=g, requires_grad=True)
     weight = torch.randn(5000, 128, device="cuda", generator=g)
     labels = torch.randint(0, 5000, (32, 16), device="cuda", generator=g)
     valid = torch.rand(32, 16, device="cuda", generator=g) > 0.2
+    # soft targets as extract stores them: 8 distinct ids per slot, float16 log-probs
+    soft_ids = torch.rand(32, 16, 5000, device="cuda", generator=g).topk(8).indices.int()
+    soft_lp = torch.randn(32, 16, 8, device="cuda", generator=g).log_softmax(-1).half()
     losses, grads = [], []
     for compile in (True, False):
-        loss, _ = dflash_loss(hidden, weight, labels, valid, 7.0, chunk_rows=96, compile=compile)
+        loss, _ = dflash_loss(hidden, weight, labels, valid, 7.0, chunk_rows=96, compile=compile,
+                              soft=(soft_ids, soft_lp), distill_weight=distill_weight)  # fmt: skip
         losses.append(loss)
         grads.append(torch.autograd.grad(loss, hidden)[0])
     torch.testing.assert_close(losses[0], losses[1], atol=1e-4, rtol=1e-4)

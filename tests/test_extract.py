@@ -105,6 +105,56 @@ def test_stage_writes_decodable_shard(tiny_target_dir, sequences, tmp_path, code
         assert (row["hidden"].float() - ref.float()).norm() <= tol * ref.float().norm()
 
 
+def test_topk_soft_targets_are_the_targets_next_token_distribution(
+    tiny_target_dir, sequences, tmp_path
+):
+    """extract.topk 8 with only layer 0 tapped: every layer, the final norm and the LM head still
+    run, and row t of the shard's top-k is the full model's top-8 log-softmax at t."""
+    raw = _raw(tiny_target_dir, tmp_path, topk=8)
+    raw["drafter"]["target_layer_ids"] = [0]
+    cfg = Config.from_dict(raw)
+    out = tmp_path / "shard-00000.arrow"
+    run(cfg, str(sequences), 0, str(out))
+    shard = FeatureShard(out)
+    assert len(shard) == 12 and shard.info.topk == 8 and shard.info.layer_ids == [0]
+    model, _ = load_target(cfg.target, torch.device("cpu"))  # the causal LM, head included
+    taps = LayerTaps(model.get_decoder(), [0])
+    for row in shard:
+        ids = row["input_ids"].long()[None]
+        with torch.no_grad():
+            logprobs = model(ids).logits[0].float().log_softmax(-1)  # (T, V), every layer
+        ids_k, lp_k = row["topk_ids"], row["topk_logprobs"]
+        assert (ids_k.dtype, lp_k.dtype, ids_k.shape) == (
+            torch.int32,
+            torch.float16,
+            (len(ids[0]), 8),
+        )
+        # tie-proof (random weights make near-ties, and batching moves logits by ~1e-6): the
+        # stored ids carry the stored log-probs, and those are the 8 largest, in order
+        close = dict(rtol=1e-3, atol=1e-3)
+        torch.testing.assert_close(lp_k.float(), logprobs.gather(1, ids_k.long()), **close)
+        torch.testing.assert_close(lp_k.float(), logprobs.topk(8).values, **close)
+        tap = forward_taps(model.get_decoder(), taps, ids)[0]
+        assert (row["hidden"].float() - tap.float()).norm() <= 0.01 * tap.float().norm()
+
+
+def test_manifest_records_topk_and_refuses_mixed_shards(tiny_topk_features, tiny_features):
+    shards = tiny_topk_features["shards"]
+    m = json.loads(tiny_topk_features["manifest"].read_text())
+    assert m["topk"] == 8 and m == build_manifest(shards)
+    check_manifest(m, {"topk": 8})
+    for path in shards:
+        verify_shard(path, m)
+    with pytest.raises(
+        DataError, match=r"shard-00000\.arrow: topk 8 differs from the manifest's 0"
+    ):
+        verify_shard(shards[0], {**m, "topk": 0})
+    assert build_manifest(tiny_features["shards"])["topk"] == 0
+    # the same layers, codec and target; only the soft targets differ
+    with pytest.raises(DataError, match="codec/layers/hidden size/target/topk differ"):
+        build_manifest([shards[0], tiny_features["shards"][1]])
+
+
 def test_manifest_totals_mismatch_and_checksum(tiny_target_dir, sequences, tmp_path):
     cfg = _cfg(tiny_target_dir, tmp_path)
     paths = []

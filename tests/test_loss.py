@@ -6,7 +6,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dflashpipe.loss import block_labels, default_gamma, dflash_loss, slot_metrics, slot_weights
+from dflashpipe.loss import (
+    block_labels,
+    block_soft_targets,
+    default_gamma,
+    dflash_loss,
+    slot_metrics,
+    slot_weights,
+)
 
 
 def test_gamma_defaults_by_block_size():
@@ -108,3 +115,76 @@ def test_acceptance_length_from_slot_accuracies():
     m = slot_metrics(correct, valid)
     torch.testing.assert_close(m["slot_accuracy"], torch.tensor([1.0, 0.5, 0.5]))
     torch.testing.assert_close(m["acceptance_length"], torch.tensor(2.75))
+
+
+def test_soft_target_of_a_slot_is_the_targets_prediction_one_position_earlier():
+    # row t of the stored top-k is the target's distribution over x_{t+1}; slot j of the block
+    # anchored at a is labelled x_{a+j}, so it reads row a+j-1 (clamped at the stream's ends)
+    ids = torch.arange(8)[:, None] * 10 + torch.arange(2)  # (T=8, k=2): row t holds 10t, 10t+1
+    logprobs = -torch.arange(16, dtype=torch.float16).view(8, 2)
+    got_ids, got_lp = block_soft_targets(ids, logprobs, torch.tensor([2, 5, 0, 7]), 3)
+    assert got_ids[:, :, 0].tolist() == [[10, 20, 30], [40, 50, 60], [0, 0, 10], [60, 70, 70]]
+    assert torch.equal(got_lp[1], logprobs[4:7])
+
+
+def dense_distill_reference(hidden, weight, stream, anchors, keep, topk, gamma, d):
+    """Position by position, float64: the drafter's full-vocabulary log-softmax, the target's
+    top-k renormalized over its k ids as a dense distribution, (1 - d) CE + d KL, the DFlash slot
+    weights and the hard loss's masks (in-document, supervised, kept, slot >= 1)."""
+    ids, docs, loss_mask = stream
+    topk_ids, topk_logprobs = topk
+    A, B, _ = hidden.shape
+    T, V = len(ids), weight.shape[0]
+    total = norm = 0.0
+    for i in range(A):
+        a = int(anchors[i])
+        for j in range(1, B):
+            p = a + j
+            if not (keep[i] and p < T and docs[p] == docs[a] and loss_mask[p]):
+                continue
+            log_q = torch.log_softmax(hidden[i, j].double() @ weight.double().T, -1)  # (V,)
+            target = torch.zeros(V, dtype=torch.float64)  # the target's p(x_p): row p - 1
+            lp = topk_logprobs[p - 1].double()
+            target[topk_ids[p - 1]] = lp.exp() / lp.exp().sum()
+            on = target > 0
+            kl = (target[on] * (target[on].log() - log_q[on])).sum()
+            ce = -log_q[ids[p]]
+            w = math.exp(-(j - 1) / gamma)
+            total = total + w * ((1 - d) * ce + d * kl)
+            norm += w
+    return total / norm
+
+
+@pytest.mark.parametrize(("distill_weight", "chunk_rows"), [(0.3, 5), (1.0, 4096)])
+def test_distillation_loss_and_gradient_equal_the_dense_reference(distill_weight, chunk_rows):
+    g = torch.Generator().manual_seed(2)
+    T, A, B, H, V, k = 24, 7, 5, 16, 40, 4
+    ids = torch.randint(0, V, (T,), generator=g)
+    docs = torch.tensor([0] * 10 + [1] * 9 + [-1] * 5)  # two documents, then padding
+    loss_mask = (torch.rand(T, generator=g) > 0.25).long()
+    anchors = torch.tensor([0, 3, 8, 10, 14, 17, 2])  # 8: block runs into document 1
+    keep = torch.tensor([True] * 6 + [False])
+    topk_ids = torch.stack([torch.randperm(V, generator=g)[:k] for _ in range(T)]).int()
+    raw = torch.randn(T, V, generator=g).log_softmax(-1)
+    topk_logprobs = raw.gather(1, topk_ids.long()).sort(-1, descending=True).values.half()
+    hidden = torch.randn(A, B, H, generator=g, requires_grad=True)
+    weight = torch.randn(V, H, generator=g)
+
+    labels, valid = block_labels(ids, docs, loss_mask, anchors, keep, B)
+    soft = block_soft_targets(topk_ids, topk_logprobs, anchors, B)
+    loss, _ = dflash_loss(hidden, weight, labels, valid, 4.0, chunk_rows=chunk_rows, soft=soft,
+                          distill_weight=distill_weight)  # fmt: skip
+    (grad,) = torch.autograd.grad(loss, hidden)
+
+    ref_hidden = hidden.detach().double().requires_grad_()
+    stream, topk = (ids, docs, loss_mask), (topk_ids.long(), topk_logprobs)
+    ref = dense_distill_reference(
+        ref_hidden, weight, stream, anchors, keep, topk, 4.0, distill_weight
+    )
+    (ref_grad,) = torch.autograd.grad(ref, ref_hidden)
+    torch.testing.assert_close(loss.double(), ref.detach(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(grad.double(), ref_grad, atol=1e-6, rtol=1e-4)
+    hard, _ = dflash_loss(hidden.detach(), weight, labels, valid, 4.0)
+    assert abs(loss.item() - hard.item()) > 1e-3  # the soft term is really in the loss
+    with pytest.raises(ValueError, match="needs the soft targets"):
+        dflash_loss(hidden, weight, labels, valid, 4.0, distill_weight=distill_weight)

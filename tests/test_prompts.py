@@ -1,3 +1,4 @@
+import json
 import subprocess
 import sys
 
@@ -37,6 +38,9 @@ def test_counts_per_source_and_reason(data_dir):
         0,
     )
     assert s["he"]["eval"] == 3 and len(evals) == 3 and len(train) == 10
+    # what each source adds after filters and dedupe: conv-c's repeat of conv-a is share's loss
+    assert {n: v["added"] for n, v in s.items()} == {"share": 4, "msgs": 4, "pq": 2, "he": 3}
+    assert all(v["added"] == v["prompts"] - v["dropped"].get("duplicate", 0) for v in s.values())
     assert stats["totals"] == {
         "train": 10, "eval": 3,
         "dropped": {"duplicate": 1, "empty_conversation": 1, "empty_message": 1,
@@ -220,3 +224,35 @@ def test_eval_order_does_not_depend_on_the_train_limits(data_dir):
         assert max_train is None or len(train) == max_train
         orders.append([p.prompt_id for p in evals])
     assert len(orders[0]) >= 3 and orders[0] == orders[1] == orders[2]
+
+
+def test_code_source_stats_name_the_files_read(data_dir, tmp_path):
+    """A code source's stats.json entry says which code it read (a digest two runs can compare)
+    and how many prompts it adds once an earlier source's copies are dropped."""
+    code = tmp_path / "lib"
+    (code / "test").mkdir(parents=True)
+    body = '    """{doc}"""\n    return {expr}\n'
+    (code / "calc.py").write_text(
+        "def double(x):\n" + body.format(doc="Twice x.", expr="2 * x")
+        + "\n\ndef half(x):\n" + body.format(doc="Half of x.", expr="x / 2")
+    )  # fmt: skip
+    (code / "copy.py").write_text("def double(x):\n" + body.format(doc="Twice x.", expr="2 * x"))
+    (code / "test" / "test_calc.py").write_text("def test_double():\n    assert True\n")
+    raw = base_config(data_dir)
+    raw["prompts"]["sources"].append({"name": "code", "kind": "python", "path": str(code)})
+    stats = run(Config.from_dict(raw).prompts, *(tmp_path / n for n in ("t.pq", "e.pq", "s.json")))
+    written = json.loads((tmp_path / "s.json").read_text())
+    assert written == json.loads(json.dumps(stats))
+    entry = written["sources"]["code"]
+    # calc.py gives two tasks, copy.py the same `double` again: three read, two added
+    assert (entry["prompts"], entry["added"], entry["train"]) == (3, 2, 2)
+    assert entry["dropped"] == {"duplicate": 1, "test_module": 1}
+    files = entry["files"]
+    assert files["path"] == str(code) and files["read"] == 2 and len(files["sha256"]) == 64
+    assert "files" not in written["sources"]["share"]  # only code sources list their files
+    # the prompt is the signature and docstring: another body is still the same prompt
+    (code / "copy.py").write_text("def double(x):\n" + body.format(doc="Twice x.", expr="x + x"))
+    again = build(Config.from_dict(raw).prompts)[2]["sources"]["code"]
+    assert again["files"]["sha256"] != files["sha256"] and again["added"] == 2
+    (code / "copy.py").write_text("def double(x):\n" + body.format(doc="2x.", expr="x + x"))
+    assert build(Config.from_dict(raw).prompts)[2]["sources"]["code"]["added"] == 3

@@ -1,12 +1,16 @@
 import gzip
 import json
+import platform
+import sysconfig
+from itertools import islice
+from pathlib import Path
 
 import pytest
 from conftest import base_config
 
 from dflashpipe.config import Config, SourceConfig
 from dflashpipe.errors import DataError
-from dflashpipe.sources import DropLog, read_source
+from dflashpipe.sources import DropLog, ReadLog, _is_test_module, _python_files, read_source
 
 
 def _read(src: SourceConfig):
@@ -107,7 +111,7 @@ def test_hf_source_through_datasets(data_dir):
 
 def test_missing_file_is_named(tmp_path):
     src = SourceConfig(name="s", kind="jsonl", path=str(tmp_path / "missing.jsonl"))
-    with pytest.raises(DataError, match="missing.jsonl"):
+    with pytest.raises(DataError, match=r"not found: .*missing.jsonl \(prompts.sources 's' path"):
         _read(src)
 
 
@@ -229,3 +233,84 @@ def test_python_source_reads_one_file(tmp_path):
     ]
     assert convs[0].origin == f"{path}:6"
     assert f"{path}:16: no_docstring (undocumented)" in drops.examples
+
+
+def _stdlib_like(root: Path) -> Path:
+    """A directory laid out like a standard library: modules, packages, test suites where
+    CPython keeps them, installed packages, a file that is not UTF-8 and one that cannot be read."""
+    files = {"json/__init__.py": MODULE, "textwrap.py": MODULE.replace("Box", "Wrapper"),
+             "test/support.py": MODULE, "idlelib/idle_test/htest.py": MODULE,
+             "lib2to3/tests/data/py2.py": "print 'x'\n", "unittest/test/test_case.py": MODULE,
+             "site-packages/numpy/core.py": MODULE, "dist-packages/six.py": MODULE,
+             "latin.py": "s = '\xe9'\n".encode("latin-1")}  # fmt: skip
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_bytes(text if isinstance(text, bytes) else text.encode())
+    (root / "gone.py").symlink_to(root / "nowhere.py")  # listed, but reading it fails
+    return root
+
+
+def test_python_directory_laid_out_like_a_stdlib(tmp_path):
+    root = _stdlib_like(tmp_path / "lib")
+    drops, files = DropLog(), ReadLog()
+    convs = list(read_source(SourceConfig(name="std", kind="python", path=str(root)), drops, files))
+    assert sorted({c.conversation_id.split(":")[0] for c in convs}) == [
+        "json/__init__.py", "textwrap.py"]  # fmt: skip
+    assert "textwrap.py:Wrapper.fill" in [c.conversation_id for c in convs]
+    assert drops.counts["test_module"] == 4  # test/, idle_test/, lib2to3/tests/, unittest/test/
+    assert drops.counts["unparsable"] == 1 and drops.counts["unreadable"] == 1
+    assert any("gone.py: unreadable (No such file or directory)" in e for e in drops.examples)
+    assert not any("packages" in c.origin for c in convs)  # installed packages are not read
+    summary = files.summary()
+    assert summary["path"] == str(root) and summary["read"] == 3  # the two modules and latin.py
+    assert set(files.hashes) == {"json/__init__.py", "textwrap.py", "latin.py"}
+    assert "version" not in summary  # only <stdlib> names an interpreter
+
+
+def test_read_digest_follows_the_code_read(tmp_path):
+    root = _stdlib_like(tmp_path / "lib")
+    src = SourceConfig(name="std", kind="python", path=str(root))
+
+    def digest() -> str:
+        files = ReadLog()
+        list(read_source(src, DropLog(), files))
+        return files.summary()["sha256"]
+
+    first = digest()
+    assert digest() == first  # the same files, the same digest
+    (root / "test" / "support.py").write_text(MODULE + "\n# edited\n")
+    assert digest() == first  # a test module is never read
+    (root / "json" / "__init__.py").write_text(MODULE.replace("total = a + b", "total = b + a"))
+    changed = digest()
+    assert changed != first
+    (root / "json" / "__init__.py").rename(root / "json" / "core.py")
+    assert digest() not in (first, changed)  # the names count, not only the contents
+
+
+def test_stdlib_source_reads_this_python():
+    """path <stdlib> on the real interpreter: reading stops where the caller stops (20 tasks),
+    and listing every file (nothing read) finds no installed package and leaves no test suite
+    unrecognized."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    src = Config.from_dict(
+        {"target": {"model": "m"},
+         "prompts": {"sources": [{"name": "std", "kind": "python", "path": "<stdlib>"}]}}
+    ).prompts.sources[0]  # fmt: skip
+    drops, files = DropLog(), ReadLog()
+    convs = list(islice(read_source(src, drops, files), 20))
+    assert len(convs) == 20 and 0 < len(files.hashes) < 40
+    assert files.summary()["path"] == str(root)
+    assert files.python == {"implementation": platform.python_implementation(),
+                            "version": platform.python_version()}  # fmt: skip
+    for c in convs:
+        module, qualname = c.conversation_id.split(":")
+        source = (root / module).read_text(encoding="utf-8")
+        (_, prompt), (_, answer) = c.turns
+        assert c.origin.startswith(f"{root}/{module}:") and module in files.hashes
+        assert answer.splitlines()[0].lstrip() in source  # the function's own `def` line
+        assert answer.splitlines()[0] in prompt and qualname.split(".")[-1] in answer
+    names = [name for name, _, _ in _python_files(root)]
+    assert "json/__init__.py" in names and "os.py" in names
+    assert not any(n.startswith(("site-packages/", "dist-packages/")) for n in names)
+    suites = [n for n in names if any("test" in d and d != "unittest" for d in n.split("/")[:-1])]
+    assert suites and all(_is_test_module(n) for n in suites)

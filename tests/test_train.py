@@ -130,6 +130,41 @@ def test_adamw_betas_come_from_the_config(tmp_path, tiny_features):
         Config.from_dict(raw)
 
 
+def test_train_distills_the_targets_top_k(tmp_path, tiny_topk_features, tiny_features):
+    """train.distill_weight 0.5 on shards with top-8 soft targets: the stage's entry point trains
+    (held-out passes included) and exports; a batch's loss is (1 - d) x its hard loss + d x its
+    KL; shards without soft targets are refused, named."""
+    from dflashpipe.data import PackedBatches, epoch_plan, index_samples
+    from dflashpipe.train import forward_loss, main
+
+    raw = json.loads(json.dumps(tiny_topk_features["raw"]))
+    raw["train"].update(distill_weight=0.5, max_steps=4, log_every=1, val_samples=4, val_every=2)
+    config = write_yaml(tmp_path / "distill.yaml", raw)
+    manifest, out = tiny_topk_features["manifest"], tmp_path / "distill"
+    main(["--config", str(config), "--manifest", str(manifest), "--run-dir", str(out / "run"),
+          "--drafter", str(out / "drafter"), "--metrics", str(out / "metrics.jsonl")])  # fmt: skip
+    rows = _rows(out / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2, 3, 4] and rows[-1]["loss"] < rows[0]["loss"]
+    assert [r["step"] for r in rows if "val_loss" in r] == [2, 4]
+    assert (out / "drafter" / "model.safetensors").is_file()
+
+    trainer = Trainer(Config.from_dict(raw), manifest, tmp_path / "fresh", torch.device("cpu"))
+    plan = epoch_plan(trainer.samples, trainer.tokens, 0, 0, 0, 1)
+    batch = PackedBatches(trainer.shards, trainer.samples, plan, trainer.tokens, 16, 0, 0, 8)[0]
+    assert batch["topk_ids"].shape == (trainer.tokens, 8)
+    with torch.no_grad():
+        hard, kl, mixed = (
+            forward_loss(trainer.model, trainer.head, batch, 8, trainer.gamma, d)[0].item()
+            for d in (0.0, 1.0, 0.5)
+        )
+    assert kl > 0 and abs(kl - hard) > 0.1
+    assert mixed == pytest.approx(0.5 * hard + 0.5 * kl, rel=1e-5)
+    with pytest.raises(
+        DataError, match=r"shard-00000\.arrow has no soft targets .*extract\.topk 8"
+    ):
+        index_samples(tiny_features["shards"], trainer.tokens, {}, topk=8)
+
+
 def test_two_processes(tmp_path, tiny_features):
     args, out = _train(tmp_path, tiny_features, "ddp", cpu_processes=2, epochs=1, val_samples=8)
     launch(*args)

@@ -9,6 +9,11 @@
 `encode` = `prepare` (element-wise, on whatever device holds the block: the GPU in extract) then
 `pack` (zstd, on the CPU, in worker threads that never touch CUDA; zstd releases the GIL).
 `decode` gives the bf16 tensor back.
+
+A sample's top-k soft targets (extract.topk > 0), a (T, k) int32 id tensor and a (T, k) float16
+log-prob tensor, are stored losslessly whatever the hidden-state codec: one zstd frame each
+(`pack_topk` / `decode_topk`); at k = 8 that is under 50 bytes a token beside a hidden block of
+kilobytes.
 """
 
 from __future__ import annotations
@@ -165,3 +170,37 @@ def decode(
     except (zstandard.ZstdError, ValueError, TypeError) as e:
         raise DataError(f"cannot decode a {codec} block of {num_tokens}x{width}: {e}") from None
     raise ValueError(f"unknown codec {codec!r}; expected one of {CODECS}")
+
+
+TOPK_DTYPES = (torch.int32, torch.float16)  # ids, log-probs
+
+
+def pack_topk(ids: torch.Tensor, logprobs: torch.Tensor, level: int = 1) -> tuple[bytes, bytes]:
+    """One sample's top-k soft targets, (T, k) int32 ids and (T, k) float16 log-probs on the
+    CPU, as two zstd frames."""
+    if (ids.dtype, logprobs.dtype) != TOPK_DTYPES or ids.dim() != 2 or ids.shape != logprobs.shape:
+        raise ValueError(
+            f"expected (T, k) int32 ids and float16 log-probs, got {ids.dtype} "
+            f"{tuple(ids.shape)} and {logprobs.dtype} {tuple(logprobs.shape)}"
+        )
+    z = _compressor(level)
+    return z.compress(ids.contiguous().numpy()), z.compress(logprobs.contiguous().numpy())
+
+
+def decode_topk(
+    ids: bytes, logprobs: bytes, num_tokens: int, k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(num_tokens, k) int32 ids and float16 log-probs of two frames from `pack_topk`."""
+    out = []
+    for name, frame, dtype in (("ids", ids, np.int32), ("log-probs", logprobs, np.float16)):
+        try:
+            raw = _decompressor().decompress(frame)
+        except (zstandard.ZstdError, TypeError) as e:
+            raise DataError(f"cannot decode the top-k {name} of {num_tokens}x{k}: {e}") from None
+        want = num_tokens * k * np.dtype(dtype).itemsize
+        if len(raw) != want:
+            raise DataError(
+                f"the top-k {name} hold {len(raw)} bytes, expected {want} ({num_tokens}x{k})"
+            )
+        out.append(torch.from_numpy(np.frombuffer(raw, dtype).copy()).view(num_tokens, k))
+    return out[0], out[1]

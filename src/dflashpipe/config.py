@@ -22,6 +22,9 @@ SCHEMA_FILE = "config.schema.yaml"
 FILE_KINDS = ("sharegpt", "jsonl", "parquet", "humaneval", "python")
 # Kinds whose prompt is code, wrapped in the source's `template` (a "complete this function" ask).
 TEMPLATE_KINDS = ("humaneval", "python")
+# A `path` in angle brackets names no file but a reserved place; the one there is, for kind
+# python: the standard library of the interpreter that runs the prompts stage.
+STDLIB_PATH = "<stdlib>"
 
 
 def load_schema() -> dict:
@@ -130,6 +133,12 @@ class SourceConfig:
             self.fields = FieldMap(**self.fields)
         if self.kind in FILE_KINDS and not self.path:
             raise ConfigError(f"prompts.sources '{self.name}': kind {self.kind} needs `path`")
+        reserved = bool(self.path) and self.path.startswith("<") and self.path.endswith(">")
+        if reserved and (self.path != STDLIB_PATH or self.kind != "python"):
+            raise ConfigError(
+                f"prompts.sources '{self.name}': path {self.path} (kind {self.kind}) is not a "
+                f"known reserved name; expected a file or {STDLIB_PATH} with kind python"
+            )
         if self.kind == "hf" and not self.dataset:
             raise ConfigError(f"prompts.sources '{self.name}': kind hf needs `dataset`")
         if self.kind in TEMPLATE_KINDS and self.template and "{prompt}" not in self.template:
@@ -139,6 +148,12 @@ class SourceConfig:
                 f"prompts.sources '{self.name}': eval_count={self.eval_count} needs split: both "
                 f"(split is {self.split})"
             )
+
+    @property
+    def file(self) -> str | None:
+        """The local file or directory this source reads (a workflow input); None for hf and
+        <stdlib>, which no rule makes."""
+        return None if self.path == STDLIB_PATH else self.path
 
 
 @dataclass
@@ -224,6 +239,61 @@ class DevicesConfig:
 
 
 @dataclass
+class ExtractConfig:
+    """Stage 3's section; keys, defaults and their meaning: the schema's `extract`."""
+
+    codec: str
+    max_length: int
+    token_budget: int
+    zstd_level: int
+    overflow: str
+    encode_workers: int | None
+    direct_io: bool
+    topk: int  # 0: no soft targets; k: the target's top-k next-token log-probs per position
+
+    def __post_init__(self) -> None:
+        if self.topk < 0:
+            raise ConfigError(f"extract.topk is {self.topk}; expected 0 (none) or a count > 0")
+
+
+@dataclass
+class TrainConfig:
+    """Stage 4's section; keys, defaults and their meaning: the schema's `train`."""
+
+    epochs: float
+    lr: float
+    warmup_ratio: float
+    weight_decay: float
+    betas: list[float]
+    grad_clip: float
+    max_length: int
+    num_anchors: int
+    seed: int
+    micro_batch_tokens: int | None
+    tokens_per_step: int | None
+    max_steps: int | None
+    gamma: float | None
+    log_every: int
+    val_samples: int
+    extra_features: list[str]
+    val_every: int
+    checkpoint_every: int
+    keep_checkpoints: int
+    num_workers: int
+    compile: bool
+    parallel: str
+    cpu_processes: int
+    nodes: int
+    distill_weight: float  # share of the soft-target (top-k KL) term; 0: the hard loss alone
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.distill_weight <= 1:
+            raise ConfigError(
+                f"train.distill_weight is {self.distill_weight}; expected a share in [0, 1]"
+            )
+
+
+@dataclass
 class Config:
     """The whole validated configuration; `raw` keeps the defaulted mapping for stage digests."""
 
@@ -232,6 +302,8 @@ class Config:
     devices: DevicesConfig
     retrieve: dict[str, RetrieveSpec]
     regenerate: RegenerateConfig
+    extract: ExtractConfig
+    train: TrainConfig
     raw: dict
 
     @classmethod
@@ -243,6 +315,8 @@ class Config:
             devices=DevicesConfig(**raw["devices"]),
             retrieve={k: RetrieveSpec(**{"member": None, **v}) for k, v in raw["retrieve"].items()},
             regenerate=RegenerateConfig(**raw["regenerate"]),
+            extract=ExtractConfig(**raw["extract"]),
+            train=TrainConfig(**raw["train"]),
             raw=raw,
         )
 

@@ -7,7 +7,9 @@
 Every micro-batch has the same shapes: `tokens` stream positions (padding has document id -1)
 and `anchors` anchor slots with a keep mask, so a compiled step never recompiles. The plan is a
 pure function of (seed, epoch, lengths, rank, world size), so a run resumes mid-epoch from
-(epoch, micro-batch index) alone.
+(epoch, micro-batch index) alone. With soft targets (train.distill_weight > 0) each position also
+carries the target's top-k next-token ids and log-probs (`topk_ids`, `topk_logprobs`: (tokens,
+k)); every shard must have them.
 """
 
 from __future__ import annotations
@@ -42,11 +44,18 @@ class Sample:
         return self.prompt if self.prompt is not None else f"{self.shard}/{self.row}"
 
 
-def index_samples(shard_paths: list[Path], tokens: int, stats: dict) -> list[Sample]:
-    """Every usable sample of the shards, from column data only (nothing is decoded)."""
+def index_samples(shard_paths: list[Path], tokens: int, stats: dict, topk: int = 0) -> list[Sample]:
+    """Every usable sample of the shards, from column data only (nothing is decoded). topk > 0:
+    the soft targets training needs; a shard without them, or with another k, is refused."""
     samples = []
     for s, path in enumerate(shard_paths):
         shard = FeatureShard(path)
+        if topk and shard.info.topk != topk:
+            has = f"top-{shard.info.topk} soft targets" if shard.info.topk else "no soft targets"
+            raise DataError(
+                f"{path} has {has} (extract.topk {shard.info.topk}), but train.distill_weight > 0 "
+                f"trains on the top-{topk} of its manifest; re-extract it with extract.topk {topk}"
+            )
         lengths = shard.table.column("num_tokens").to_numpy()
         masks = shard.table.column("loss_mask").combine_chunks()
         flat = pc.list_flatten(masks).to_numpy(zero_copy_only=False).astype(np.int64)
@@ -112,9 +121,10 @@ class PackedBatches(Dataset):
     """Map-style: item k = micro-batch k of this rank's plan, decoded and packed (in workers)."""
 
     def __init__(self, shard_paths: list[Path], samples: list[Sample], plan: list[list[int]],
-                 tokens: int, anchors: int, seed: int, epoch: int):  # fmt: skip
+                 tokens: int, anchors: int, seed: int, epoch: int, topk: int = 0):  # fmt: skip
         self.paths, self.samples, self.plan = shard_paths, samples, plan
         self.tokens, self.anchors, self.seed, self.epoch = tokens, anchors, seed, epoch
+        self.topk = topk  # 0: soft targets are not read
         self._shards: dict[int, FeatureShard] = {}  # opened lazily, once per worker process
 
     def __len__(self) -> int:
@@ -134,6 +144,10 @@ class PackedBatches(Dataset):
         first = self._shard(self.samples[self.plan[k][0]].shard).info
         # each sample decodes straight into its rows of the batch; only the padding is zeroed
         hidden = _batch_tensor((T, len(first.layer_ids) * first.hidden_size), torch.bfloat16)
+        soft = {}
+        if self.topk:  # padding's soft targets are never read (no label there); zeros are finite
+            soft = {"topk_ids": torch.zeros(T, self.topk, dtype=torch.int32),
+                    "topk_logprobs": torch.zeros(T, self.topk, dtype=torch.float16)}  # fmt: skip
         names, at = [], 0
         for d, i in enumerate(self.plan[k]):
             sample = self.samples[i]
@@ -143,6 +157,8 @@ class PackedBatches(Dataset):
             mask[at : at + n] = row["loss_mask"][:n]
             pos[at : at + n] = torch.arange(n)
             docs[at : at + n] = d
+            for key, t in soft.items():
+                t[at : at + n] = row[key][:n]
             names.append(row["sample_id"])
             at += n
         hidden[at:] = 0
@@ -153,7 +169,7 @@ class PackedBatches(Dataset):
         sample_index[: min(MAX_DOCS, len(self.plan[k]))] = torch.tensor(self.plan[k][:MAX_DOCS])
         return {"input_ids": ids, "position_ids": pos, "document_ids": docs, "loss_mask": mask,
                 "target_hidden": hidden, "anchors": anchors, "keep": keep,
-                "sample_index": sample_index}  # fmt: skip
+                "sample_index": sample_index, **soft}  # fmt: skip
 
 
 def _batch_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

@@ -2,6 +2,8 @@
 
     sequences/shard-i.parquet ─► length-sorted batches within a token budget
       ─► GPU: base-model forward up to the deepest tapped layer, taps gathered by hooks
+          (extract.topk = k > 0: every layer, the final norm and the LM head, whose top-k
+          next-token log-probs per position are kept beside the taps as soft targets)
       ─► pinned host buffers (non-blocking copy, one CUDA event per batch)
       ─► encoder threads (numpy + zstd, no CUDA) ─► writer thread ─► features/shard-i.arrow
 
@@ -30,10 +32,10 @@ from torch import nn
 from tqdm import tqdm
 
 from dflashpipe import faults
-from dflashpipe.codecs import pack, prepare
+from dflashpipe.codecs import pack, pack_topk, prepare
 from dflashpipe.config import Config
-from dflashpipe.errors import DataError
-from dflashpipe.shards import ShardInfo, feature_row, record_batch
+from dflashpipe.errors import ConfigError, DataError
+from dflashpipe.shards import ShardInfo, feature_row, feature_schema, record_batch
 from dflashpipe.storage import ChunkedFile, atomic_path
 
 log = logging.getLogger(__name__)
@@ -95,6 +97,34 @@ def forward_taps(base: nn.Module, taps: LayerTaps, ids: torch.Tensor) -> torch.T
     return taps.gather().to(torch.bfloat16)  # shards hold bf16 whatever the compute dtype
 
 
+@torch.inference_mode()
+def forward_soft_targets(
+    base: nn.Module, taps: LayerTaps, head: nn.Module, ids: torch.Tensor, k: int,
+    chunk_tokens: int = 4096,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """forward_taps plus the soft targets: (B, T, n_layers*H) bf16 taps, and per position t the
+    target's k most likely next tokens (B, T, k) int32 with their log-probabilities (B, T, k)
+    float16, i.e. its distribution over x_{t+1}. Runs every layer, the final norm (in the base
+    model's output) and the LM head; the head goes over `chunk_tokens` positions at a time, so
+    only (chunk, V) float32 logits exist, not (B, T, V)."""
+    last = base(input_ids=ids, use_cache=False).last_hidden_state  # (B, T, H), normed
+    hidden = taps.gather().to(torch.bfloat16)
+    cap = getattr(base.config, "final_logit_softcapping", None)  # Gemma-2 style targets
+    flat = last.flatten(0, 1)  # (B*T, H)
+    top_ids, top_logprobs = [], []
+    for s in range(0, flat.shape[0], chunk_tokens):
+        logits = head(flat[s : s + chunk_tokens]).float()  # (c, V)
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        top = logits.topk(k, dim=-1)  # sorted, most likely first
+        logprobs = top.values - logits.logsumexp(-1, keepdim=True)  # (c, k)
+        top_ids.append(top.indices.to(torch.int32))
+        # float16's lowest finite value: an -inf log-prob would make the loss's p log p NaN
+        top_logprobs.append(logprobs.clamp_min(torch.finfo(torch.float16).min).half())
+    shape = (*ids.shape, k)
+    return hidden, torch.cat(top_ids).view(shape), torch.cat(top_logprobs).view(shape)
+
+
 def read_sequences(
     path: Path, identity: dict, max_length: int, overflow: str, stats: Counter
 ) -> list[dict]:
@@ -144,7 +174,7 @@ class ShardWriter(threading.Thread):
             with sink, pa.ipc.new_file(sink, self.schema) as w:
                 while (item := self.queue.get()) is not None:
                     rows = [f.result() for f in item]
-                    w.write_batch(record_batch(rows))
+                    w.write_batch(record_batch(rows, self.schema))
                     faults.point("extract.written")
                     self.encoded_bytes += sum(
                         len(r["hidden"]) + len(r["scales"] or b"") for r in rows
@@ -163,14 +193,17 @@ class ShardWriter(threading.Thread):
 class Extractor:
     """The stage's pipeline for one shard (see the module docstring)."""
 
-    def __init__(self, cfg: Config, base: nn.Module, layer_ids: list[int], device: torch.device):
-        ex = cfg.section("extract")
-        self.codec, self.level, self.budget = ex["codec"], ex["zstd_level"], ex["token_budget"]
-        self.direct_io = ex["direct_io"]
-        self.base, self.device, self.layer_ids = base, device, layer_ids
+    def __init__(self, cfg: Config, base: nn.Module, layer_ids: list[int], device: torch.device,
+                 head: nn.Module | None = None):  # fmt: skip
+        ex = cfg.extract
+        self.codec, self.level, self.budget = ex.codec, ex.zstd_level, ex.token_budget
+        self.direct_io, self.topk = ex.direct_io, ex.topk
+        if self.topk and head is None:
+            raise ValueError("extract.topk > 0 needs the target's LM head")
+        self.base, self.head, self.device, self.layer_ids = base, head, device, layer_ids
         self.taps = LayerTaps(base, layer_ids)
         self.width = len(layer_ids) * base.config.hidden_size
-        workers = ex["encode_workers"] or max(1, min(16, (os.cpu_count() or 2) - 1))
+        workers = ex.encode_workers or max(1, min(16, (os.cpu_count() or 2) - 1))
         self.pool = ThreadPoolExecutor(workers, thread_name_prefix="encode")
         self.pinned = device.type == "cuda"
         # seconds: the launching thread blocked on the GPU (copy not done yet) and on the writer's
@@ -178,9 +211,10 @@ class Extractor:
         # a run is the writer draining); the benchmark reports them
         self.timing: Counter = Counter()
 
-    def _encode_row(self, row: dict, parts: tuple[torch.Tensor, ...]) -> dict:
+    def _encode_row(self, row: dict, parts: tuple[torch.Tensor, ...], soft: tuple | None) -> dict:
         enc = pack(parts, self.codec, self.level)
-        out = feature_row(row["sample_id"], row["input_ids"], row["loss_mask"], enc)
+        topk = pack_topk(*soft, self.level) if soft is not None else None
+        out = feature_row(row["sample_id"], row["input_ids"], row["loss_mask"], enc, topk)
         return out | {"raw_bytes": len(row["input_ids"]) * self.width * 2}
 
     def _launch(self, rows: list[dict]):
@@ -193,22 +227,32 @@ class Extractor:
         # from pinned memory, asynchronously: `new_tensor(lengths)` copied from pageable memory,
         # which waited for the forward to finish, so the host and the GPU took turns
         lengths_d = torch.tensor(lengths, pin_memory=self.pinned).to(self.device, non_blocking=True)
-        hidden = forward_taps(self.base, self.taps, ids_d)
+        soft: list[torch.Tensor] = []
+        if self.topk:
+            hidden, *soft = forward_soft_targets(self.base, self.taps, self.head, ids_d, self.topk)
+        else:
+            hidden = forward_taps(self.base, self.taps, ids_d)
         positions = torch.arange(ids.shape[1], device=self.device)
         pad = positions >= lengths_d.unsqueeze(1)  # (B, T)
         finite = torch.isfinite(hidden).logical_or(pad[..., None]).flatten(1).all(1)  # (B,)
-        host = []
-        for part in prepare(hidden, self.codec, len(self.layer_ids)):  # planes / fp8 on the GPU
-            buf = torch.empty(part.shape, dtype=part.dtype, pin_memory=self.pinned)
-            host.append(buf.copy_(part, non_blocking=True))
+        if soft:  # NaN logits give NaN log-probs (the clamp to float16's range keeps NaN)
+            finite &= torch.isfinite(soft[1]).logical_or(pad[..., None]).flatten(1).all(1)
+        host = [self._to_host(p) for p in prepare(hidden, self.codec, len(self.layer_ids))]
+        soft_host = [self._to_host(p) for p in soft]  # top-k ids, log-probs
         finite_host = finite.to("cpu", non_blocking=True)
         event = torch.cuda.Event() if self.pinned else None
         if event is not None:
             event.record()
-        return rows, host, finite_host, event
+        return rows, host, soft_host, finite_host, event
+
+    def _to_host(self, part: torch.Tensor) -> torch.Tensor:
+        """A non-blocking copy into a (pinned, on GPU) host buffer (planes / fp8 are prepared on
+        the GPU, so only what gets compressed crosses)."""
+        buf = torch.empty(part.shape, dtype=part.dtype, pin_memory=self.pinned)
+        return buf.copy_(part, non_blocking=True)
 
     def _hand_over(self, launched, writer: ShardWriter, stats: Counter) -> None:
-        rows, host, finite, event = launched
+        rows, host, soft_host, finite, event = launched
         t = time.perf_counter()
         if event is not None:
             event.synchronize()  # the copy of this batch is complete (the next batch is running)
@@ -218,8 +262,10 @@ class Extractor:
             if not bool(finite[b]):
                 stats["nan_or_inf"] += 1
                 continue
-            parts = tuple(h[b, : len(r["input_ids"])] for h in host)
-            futures.append(self.pool.submit(self._encode_row, r, parts))
+            n = len(r["input_ids"])
+            parts = tuple(h[b, :n] for h in host)
+            soft = tuple(h[b, :n] for h in soft_host) or None
+            futures.append(self.pool.submit(self._encode_row, r, parts, soft))
         faults.point("extract.batch")
         t = time.perf_counter()
         writer.queue.put(futures)
@@ -234,7 +280,7 @@ class Extractor:
         start, pending = time.perf_counter(), None
         try:
             with atomic_path(out) as tmp:
-                schema = record_batch([]).schema.with_metadata(info.metadata())
+                schema = feature_schema(info.topk).with_metadata(info.metadata())
                 writer = ShardWriter(tmp, schema, depth=4, direct_io=self.direct_io)
                 writer.start()
                 try:
@@ -285,6 +331,22 @@ def layer_ids_for(cfg: Config, num_target_layers: int) -> list[int]:
     return list(ids)
 
 
+def check_topk(cfg: Config) -> None:
+    """Refuse an extract.topk beyond the target's vocabulary, from its config alone (before a
+    device is taken or weights are loaded)."""
+    from dflashpipe.target import load_target_config
+
+    k = cfg.extract.topk
+    if not k:
+        return
+    vocab = load_target_config(cfg.target).get_text_config().vocab_size
+    if k > vocab:
+        raise ConfigError(
+            f"extract.topk {k} is larger than the vocabulary of target {cfg.target.model!r} "
+            f"({vocab} tokens); expected at most {vocab}, or 0 for no soft targets"
+        )
+
+
 def run(cfg: Config, sequences: str, shard: int, out: str) -> None:
     """Write one feature shard (and its .stats.json) from one sequences shard."""
     from dflashpipe.devices import stage_device
@@ -296,22 +358,31 @@ def run(cfg: Config, sequences: str, shard: int, out: str) -> None:
     if out_path.is_file() and stats_path(out_path).is_file():
         log.info("%s is complete; not redone", out_path)
         return
-    ex = cfg.section("extract")
+    ex = cfg.extract
+    check_topk(cfg)
     with stage_device(cfg.devices.extract, shard, "devices.extract") as device:
-        base, tok = load_target(cfg.target, device, base_only=True)
+        # soft targets come out of the LM head: the whole causal LM, not just the base model
+        model, tok = load_target(cfg.target, device, base_only=not ex.topk)
+        base, head = (
+            (model.get_decoder(), model.get_output_embeddings()) if ex.topk else (model, None)
+        )
         identity = json.loads(target_identity(cfg.target, tok).to_json())
         stats: Counter = Counter()
-        rows = read_sequences(Path(sequences), identity, ex["max_length"], ex["overflow"], stats)
+        rows = read_sequences(Path(sequences), identity, ex.max_length, ex.overflow, stats)
         layer_ids = layer_ids_for(cfg, base.config.num_hidden_layers)
-        info = ShardInfo(ex["codec"], layer_ids, base.config.hidden_size, identity)
-        truncate_base(base, max(layer_ids))
+        info = ShardInfo(ex.codec, layer_ids, base.config.hidden_size, identity, ex.topk)
+        if not ex.topk:  # with soft targets every layer runs: the LM head reads the last one
+            truncate_base(base, max(layer_ids))
         log.info(
-            "shard %d: %d samples on %s, layers %s, codec %s",
+            "shard %d: %d samples on %s, layers %s, codec %s, %s",
             shard,
             len(rows),
             device,
             layer_ids,
             info.codec,
+            f"top-{ex.topk} soft targets (all {len(base.layers)} layers and the LM head run)"
+            if ex.topk
+            else f"no soft targets (layers 0-{max(layer_ids)} run)",
         )
         tokens = sum(len(r["input_ids"]) for r in rows)
 
@@ -321,7 +392,7 @@ def run(cfg: Config, sequences: str, shard: int, out: str) -> None:
                 stats_path(out_path), {"samples": kept, "tokens": tokens, "skipped": dict(stats)}
             )
 
-        extractor = Extractor(cfg, base, layer_ids, device)
+        extractor = Extractor(cfg, base, layer_ids, device, head)
         start = time.perf_counter()
         try:
             extractor.run(rows, out_path, info, stats, before_rename=write_stats)

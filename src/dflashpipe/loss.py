@@ -5,6 +5,11 @@ the known token x_a and carries no loss. A label counts only where a+k is inside
 document and supervised (loss_mask = 1). Earlier slots matter more, because a draft is accepted
 only up to its first miss: w_k = exp(-(k-1)/gamma), normalized by the weight of the valid labels.
 
+With soft targets (train.distill_weight = d > 0) each slot's term is (1 - d) CE(x_{a+k}) +
+d KL(p || q): p the target's distribution over x_{a+k} (its top-k from extract, renormalized over
+those k ids; the target predicted x_{a+k} at position a+k-1), q the drafter's softmax over the
+whole vocabulary. Same slot weights, same valid labels.
+
 The LM head is the target's (vocabularies of 150k+), so full float32 logits for a whole batch
 would be gigabytes. The head and the cross-entropy run together over chunks of rows; each chunk
 writes its loss and its gradient with respect to the hidden states at once (the head is frozen,
@@ -61,6 +66,21 @@ def block_labels(
     return torch.where(valid, input_ids[at], 0), valid
 
 
+def block_soft_targets(
+    topk_ids: Tensor, topk_logprobs: Tensor, anchors: Tensor, block_size: int
+) -> tuple[Tensor, Tensor]:
+    """The target's top-k over each slot's label: (A, B, k) ids and log-probs.
+
+    topk_ids, topk_logprobs (T, k): row t is the target's distribution over x_{t+1} (extract
+    stores the LM head's output at t). Slot j's label is x_{a+j}, so its soft target is row
+    a+j-1 (row a-1 for slot 0, clamped: slot 0 carries no loss). Rows past the stream are
+    clamped too; block_labels marks those slots invalid."""
+    T = topk_ids.shape[0]
+    at = anchors[:, None] - 1 + torch.arange(block_size, device=anchors.device)  # (A, B)
+    at = at.clamp(0, T - 1)
+    return topk_ids[at], topk_logprobs[at]
+
+
 def dflash_loss(
     hidden: Tensor,
     lm_head_weight: Tensor,
@@ -69,23 +89,37 @@ def dflash_loss(
     gamma: float,
     chunk_rows: int = 1024,
     compile: bool | None = None,
+    soft: tuple[Tensor, Tensor] | None = None,
+    distill_weight: float = 0.0,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """Weighted CE of the drafter's block outputs, and metrics as tensors (no host sync).
+    """Weighted CE (mixed with the soft-target KL) of the drafter's block outputs, and metrics as
+    tensors (no host sync).
 
-    hidden (A, B, H) from the drafter; lm_head_weight (V, H) frozen; labels, valid (A, B).
-    Returns the scalar float32 loss and {"slot_accuracy": (B-1,), "acceptance_length": (),
-    "slot_labels": (B-1,) valid-label counts}. compile: default on CUDA.
+    hidden (A, B, H) from the drafter; lm_head_weight (V, H) frozen; labels, valid (A, B);
+    soft: (A, B, k) top-k ids and log-probs from block_soft_targets, needed when distill_weight
+    (the KL's share, in [0, 1]) is > 0. Returns the scalar float32 loss and {"slot_accuracy":
+    (B-1,), "acceptance_length": (), "slot_labels": (B-1,) valid-label counts}. compile:
+    default on CUDA.
     """
     if lm_head_weight.requires_grad:
         raise ValueError("lm_head_weight requires grad; the target's LM head must stay frozen")
+    if not 0 <= distill_weight <= 1:
+        raise ValueError(f"distill_weight {distill_weight} is not a share in [0, 1]")
+    if distill_weight and soft is None:
+        raise ValueError(f"distill_weight {distill_weight} needs the soft targets (soft=)")
     A, B, H = hidden.shape
     w = slot_weights(B, gamma, hidden.device)[1:] * valid[:, 1:]  # (A, B-1)
     row_weights = (w / w.sum().clamp_min(1e-12)).flatten()  # (A*(B-1),)
     rows = hidden[:, 1:].reshape(-1, H)  # (A*(B-1), H)
+    soft_ids = soft_logprobs = None
+    if distill_weight:
+        soft_ids = soft[0][:, 1:].flatten(0, 1).long()  # (A*(B-1), k)
+        soft_logprobs = soft[1][:, 1:].flatten(0, 1).float()  # (A*(B-1), k)
     compile = hidden.is_cuda if compile is None else compile
     loss, correct = _LinearCrossEntropy.apply(
-        rows, lm_head_weight, labels[:, 1:].flatten(), row_weights, chunk_rows, compile
-    )
+        rows, lm_head_weight, labels[:, 1:].flatten(), row_weights, chunk_rows, compile,
+        soft_ids, soft_logprobs, float(distill_weight),
+    )  # fmt: skip
     return loss, slot_metrics(correct.view(A, B - 1), valid[:, 1:])
 
 
@@ -105,10 +139,13 @@ def slot_metrics(correct: Tensor, valid: Tensor) -> dict[str, Tensor]:
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
-    """sum_i row_weight_i * CE(rows_i @ W^T, label_i), chunked; grad only for the rows."""
+    """sum_i row_weight_i * [(1 - d) CE(z_i, label_i) + d KL(p_i || softmax(z_i))], z_i = rows_i @
+    W^T, chunked; grad only for the rows. d = distill_weight; p_i = softmax(soft_logprobs_i) on
+    soft_ids_i (nothing elsewhere)."""
 
     @staticmethod
-    def forward(ctx, rows, weight, labels, row_weights, chunk_rows, compile):
+    def forward(ctx, rows, weight, labels, row_weights, chunk_rows, compile, soft_ids,
+                soft_logprobs, distill_weight):  # fmt: skip
         need_grad = ctx.needs_input_grad[0]
         N = rows.shape[0]
         # Equal chunks: one compiled shape for every chunk. Rows come in a fixed count per step,
@@ -119,14 +156,17 @@ class _LinearCrossEntropy(torch.autograd.Function):
         rows_p = F.pad(rows, (0, 0, 0, pad))
         labels_p = F.pad(labels, (0, pad))
         weights_p = F.pad(row_weights, (0, pad))
-        kernel = _chunk_kernel(need_grad, compile)
+        soft = () if soft_ids is None else (
+            F.pad(soft_ids, (0, 0, 0, pad)), F.pad(soft_logprobs, (0, 0, 0, pad))
+        )  # fmt: skip
+        kernel = _chunk_kernel(need_grad, compile, distill_weight)
         loss = torch.zeros((), device=rows.device, dtype=torch.float32)
         correct = torch.empty(N + pad, device=rows.device, dtype=torch.bool)
         grad = torch.empty_like(rows_p) if need_grad else None
         for s in range(0, N + pad, chunk_rows):
             e = s + chunk_rows
             chunk_loss, correct[s:e], chunk_grad = kernel(
-                rows_p[s:e], weight, labels_p[s:e], weights_p[s:e]
+                rows_p[s:e], weight, labels_p[s:e], weights_p[s:e], *(t[s:e] for t in soft)
             )
             loss += chunk_loss
             if need_grad:
@@ -138,30 +178,44 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, grad_correct):
         (grad,) = ctx.saved_tensors
-        return grad * grad_loss.to(grad.dtype), None, None, None, None, None
+        return grad * grad_loss.to(grad.dtype), *[None] * 8
 
 
-def _chunk_loss(rows: Tensor, weight: Tensor, labels: Tensor, row_weights: Tensor, need_grad: bool):
+def _chunk_loss(
+    rows: Tensor, weight: Tensor, labels: Tensor, row_weights: Tensor, need_grad: bool,
+    distill_weight: float = 0.0, soft_ids: Tensor | None = None,
+    soft_logprobs: Tensor | None = None,
+):  # fmt: skip
     logits = (rows @ weight.T).float()  # (c, V)
     lse = logits.logsumexp(-1)  # (c,)
     picked = logits.gather(1, labels[:, None])[:, 0]  # (c,)
-    loss = ((lse - picked) * row_weights).sum()
+    per_row = lse - picked  # (c,) CE
+    if distill_weight:
+        log_p = soft_logprobs.log_softmax(-1)  # (c, k) the target's top-k, renormalized
+        p = log_p.exp()
+        log_q = logits.gather(1, soft_ids) - lse[:, None]  # (c, k) the drafter's, same ids
+        kl = (p * (log_p - log_q)).sum(-1)  # (c,)
+        per_row = (1 - distill_weight) * per_row + distill_weight * kl
+    loss = (per_row * row_weights).sum()
     correct = logits.argmax(-1) == labels
     if not need_grad:
         return loss, correct, None
-    # d CE / d logits = softmax - onehot(label), scaled by the row's weight.
+    # d CE / d logits = softmax - onehot(label); d KL / d logits = softmax - p on the k ids
+    # (p sums to 1); mixed: softmax - (1 - d) onehot - d p, scaled by the row's weight.
     dlogits = torch.exp(logits - lse[:, None])  # (c, V)
-    dlogits.scatter_add_(1, labels[:, None], -torch.ones_like(picked)[:, None])
+    dlogits.scatter_add_(1, labels[:, None], torch.full_like(picked, distill_weight - 1)[:, None])
+    if distill_weight:
+        dlogits.scatter_add_(1, soft_ids, -distill_weight * p)
     dlogits = dlogits * row_weights[:, None]
     return loss, correct, dlogits.to(rows.dtype) @ weight  # (c, H)
 
 
-def _chunk_kernel(need_grad: bool, compile: bool) -> Callable:
-    key = (need_grad, compile)
+def _chunk_kernel(need_grad: bool, compile: bool, distill_weight: float = 0.0) -> Callable:
+    key = (need_grad, compile, distill_weight)
     if key not in _CHUNK_KERNELS:
 
-        def kernel(rows, weight, labels, row_weights):
-            return _chunk_loss(rows, weight, labels, row_weights, need_grad)
+        def kernel(rows, weight, labels, row_weights, *soft):
+            return _chunk_loss(rows, weight, labels, row_weights, need_grad, distill_weight, *soft)
 
         # Compiled, softmax, the one-hot subtraction and the weighting fuse into the logits'
         # epilogue instead of each writing a (chunk, V) float32 tensor.

@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from dflashpipe.config import PromptsConfig, SourceConfig
 from dflashpipe.errors import DataError
-from dflashpipe.sources import DropLog, RawConversation, read_source
+from dflashpipe.sources import DropLog, RawConversation, ReadLog, read_source
 from dflashpipe.storage import atomic_path, write_json
 
 log = logging.getLogger(__name__)
@@ -122,12 +122,14 @@ def passes_filters(p: Prompt, cfg: PromptsConfig) -> str | None:
 
 def collect(src: SourceConfig, cfg: PromptsConfig, stats: dict) -> list[Prompt]:
     """Every prompt of one source after normalization, expansion and filters (before dedupe)."""
-    drops = DropLog()
+    drops, files = DropLog(), ReadLog()
     prompts, n_conv = [], 0
-    conversations = read_source(src, drops)
+    conversations = read_source(src, drops, files)
     for raw in tqdm(conversations, desc=f"read {src.name}", unit=" conv", mininterval=2):
         n_conv += 1
         prompts += _prompts_of(raw, src, cfg, drops)
+    if files.path:  # a code source: which code, so two runs can be compared
+        stats["files"] = files.summary()
     stats.update(conversations=n_conv, prompts=len(prompts), dropped=drops.counts)
     stats["drop_examples"] = drops.examples
     if n_conv == 0:
@@ -215,6 +217,8 @@ def build(cfg: PromptsConfig) -> tuple[list[Prompt], list[Prompt], dict]:
     order += [s.name for s in cfg.sources if s.split != "eval"]
     if cfg.dedupe:
         dedupe(per_source, order, stats)
+    for name, prompts in per_source.items():
+        stats[name]["added"] = len(prompts)  # after filters and dedupe, before split and limits
     rng = random.Random(cfg.seed)
     train_by, eval_by = {}, {}
     for src in cfg.sources:

@@ -1,9 +1,11 @@
 """Feature shards: Arrow IPC files of target hidden states, and the manifest that vouches for them.
 
 One row per sample: `sample_id`, `input_ids` (int32), `loss_mask` (uint8), `num_tokens`, the
-encoded `hidden` block (T, n_layers * H) and its codec fields (`hidden_split`, `scales`). The
-schema metadata names the codec, dtype, layer ids, hidden size, format version and the target,
-so a consumer can refuse a shard it does not fit. Files are memory-mappable.
+encoded `hidden` block (T, n_layers * H) and its codec fields (`hidden_split`, `scales`); with
+top-k soft targets (extract.topk = k > 0) also `topk_ids` and `topk_logprobs`: zstd frames of
+(T, k) int32 / float16, row t the target's k most likely tokens at t + 1 (codecs.pack_topk). The
+schema metadata names the codec, dtype, layer ids, hidden size, top-k, format version and the
+target, so a consumer can refuse a shard it does not fit. Files are memory-mappable.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
-from dflashpipe.codecs import CODECS, Encoded, decode
+from dflashpipe.codecs import CODECS, Encoded, decode, decode_topk
 from dflashpipe.errors import DataError, IntegrityError
 from dflashpipe.storage import cached_sha256
 
@@ -35,7 +37,14 @@ FEATURE_SCHEMA = pa.schema(
         ("scales", pa.binary()),
     ]
 )
-_SMALL_COLUMNS = [name for name in FEATURE_SCHEMA.names if name != "hidden"]
+TOPK_COLUMNS = ("topk_ids", "topk_logprobs")
+
+
+def feature_schema(topk: int = 0) -> pa.Schema:
+    """The columns of a shard (without metadata): the top-k columns only where k > 0."""
+    if not topk:
+        return FEATURE_SCHEMA
+    return pa.schema([*FEATURE_SCHEMA, *(pa.field(name, pa.binary()) for name in TOPK_COLUMNS)])
 
 
 @dataclass(frozen=True)
@@ -46,6 +55,7 @@ class ShardInfo:
     layer_ids: list[int]
     hidden_size: int
     target: dict
+    topk: int = 0  # k of the top-k soft-target columns; 0: the shard has none
 
     def metadata(self) -> dict[str, str]:
         return {
@@ -55,6 +65,7 @@ class ShardInfo:
             "layer_ids": json.dumps(self.layer_ids),
             "hidden_size": str(self.hidden_size),
             "target": json.dumps(self.target, sort_keys=True),
+            "topk": str(self.topk),
         }
 
     @classmethod
@@ -72,6 +83,7 @@ class ShardInfo:
                 json.loads(m["layer_ids"]),
                 int(m["hidden_size"]),
                 json.loads(m["target"]),
+                int(m.get("topk", 0)),  # shards written before soft targets existed have none
             )
         except (KeyError, AttributeError, ValueError) as e:
             raise DataError(f"{path}: not a dflashpipe feature shard (metadata: {e})") from None
@@ -81,10 +93,10 @@ def stats_path(shard: Path) -> Path:
     return shard.with_name(shard.stem + ".stats.json")
 
 
-def record_batch(rows: list[dict]) -> pa.RecordBatch:
-    """Rows -> one record batch, building the big `hidden` column from buffers: converting
-    Python bytes objects one by one runs at ~250 MB/s under the GIL, a numpy concatenation at
-    memcpy speed without the GIL (zero-copy for a single row)."""
+def record_batch(rows: list[dict], schema: pa.Schema = FEATURE_SCHEMA) -> pa.RecordBatch:
+    """Rows -> one record batch of `schema` (feature_schema's), building the big `hidden` column
+    from buffers: converting Python bytes objects one by one runs at ~250 MB/s under the GIL, a
+    numpy concatenation at memcpy speed without the GIL (zero-copy for a single row)."""
     n = len(rows)
     hidden = [r["hidden"] for r in rows]
     offsets = np.zeros(n + 1, dtype=np.int64)
@@ -102,11 +114,21 @@ def record_batch(rows: list[dict]) -> pa.RecordBatch:
         "hidden_split": pa.array([r["hidden_split"] for r in rows], pa.int64()),
         "scales": pa.array([r["scales"] for r in rows], pa.binary()),
     }
-    return pa.RecordBatch.from_arrays(list(columns.values()), schema=FEATURE_SCHEMA)
+    for name in TOPK_COLUMNS:
+        if name in schema.names:
+            columns[name] = pa.array([r[name] for r in rows], pa.binary())
+    return pa.RecordBatch.from_arrays(list(columns.values()), schema=schema.remove_metadata())
 
 
-def feature_row(sample_id: str, input_ids: list[int], loss_mask: list[int], enc: Encoded) -> dict:
-    return {
+def feature_row(
+    sample_id: str,
+    input_ids: list[int],
+    loss_mask: list[int],
+    enc: Encoded,
+    topk: tuple[bytes, bytes] | None = None,
+) -> dict:
+    """One shard row; `topk`: the sample's (ids, log-probs) frames from codecs.pack_topk."""
+    row = {
         "sample_id": sample_id,
         "input_ids": input_ids,
         "loss_mask": loss_mask,
@@ -115,6 +137,9 @@ def feature_row(sample_id: str, input_ids: list[int], loss_mask: list[int], enc:
         "hidden_split": enc.split,
         "scales": enc.scales,
     }
+    if topk is not None:
+        row.update(zip(TOPK_COLUMNS, topk, strict=True))
+    return row
 
 
 class FeatureShard:
@@ -129,7 +154,15 @@ class FeatureShard:
         except pa.ArrowInvalid as e:
             raise DataError(f"{self.path}: not an Arrow IPC file ({e})") from None
         self.info = ShardInfo.from_metadata(self._reader.schema.metadata or {}, self.path)
+        columns = feature_schema(self.info.topk).names
+        missing = [n for n in columns if n not in self._reader.schema.names]
+        if missing:
+            raise DataError(
+                f"{self.path}: columns {missing} are missing; a shard of topk {self.info.topk} "
+                f"has {columns}"
+            )
         self.table = self._reader.read_all()
+        self._small = [n for n in columns if n != "hidden"]
         self._chunk_starts: np.ndarray | None = None
 
     def __len__(self) -> int:
@@ -145,8 +178,9 @@ class FeatureShard:
         """Row i with `hidden` decoded to a (T, n_layers * H) bf16 tensor; with `out` (a
         contiguous bf16 (m, n_layers * H), m <= T, e.g. a slice of a packed batch) its first m
         tokens are decoded into `out`, which becomes `hidden`. The encoded block is read straight
-        from the memory-mapped file."""
-        row = self.table.select(_SMALL_COLUMNS).slice(i, 1).to_pylist()[0]
+        from the memory-mapped file. A shard with soft targets gives `topk_ids` (T, k) int32 and
+        `topk_logprobs` (T, k) float16 too."""
+        row = self.table.select(self._small).slice(i, 1).to_pylist()[0]
         n_layers = len(self.info.layer_ids)
         enc = Encoded(self._hidden_buffer(i), row["hidden_split"], row["scales"])
         row["hidden"] = decode(
@@ -155,6 +189,13 @@ class FeatureShard:
         )  # fmt: skip
         row["input_ids"] = torch.tensor(row["input_ids"], dtype=torch.int32)
         row["loss_mask"] = torch.tensor(row["loss_mask"], dtype=torch.uint8)
+        if self.info.topk:
+            try:
+                row["topk_ids"], row["topk_logprobs"] = decode_topk(
+                    row["topk_ids"], row["topk_logprobs"], row["num_tokens"], self.info.topk
+                )
+            except DataError as e:
+                raise DataError(f"{self.path}, row {i}: {e}") from None
         return row
 
     def _hidden_buffer(self, i: int) -> pa.Buffer:
@@ -185,7 +226,9 @@ def build_manifest(shard_paths: list[Path]) -> dict:
         if first is None:
             first = info
         elif info != first:
-            raise DataError(f"{path}: codec/layers/hidden size/target differ from {shard_paths[0]}")
+            raise DataError(
+                f"{path}: codec/layers/hidden size/target/topk differ from {shard_paths[0]}"
+            )
         tokens = int(pc.sum(shard.table.column("num_tokens")).as_py() or 0)
         shards.append(
             {"path": str(path), "samples": len(shard), "tokens": tokens, "bytes": path.stat().st_size,
@@ -203,6 +246,7 @@ def build_manifest(shard_paths: list[Path]) -> dict:
         "layer_ids": first.layer_ids,
         "hidden_size": first.hidden_size,
         "codec": first.codec,
+        "topk": first.topk,
         "totals": {
             "samples": sum(s["samples"] for s in shards),
             "tokens": sum(s["tokens"] for s in shards),
@@ -215,7 +259,7 @@ def build_manifest(shard_paths: list[Path]) -> dict:
 
 def check_manifest(manifest: dict, expected: dict) -> None:
     """Refuse features that do not fit a consumer: `expected` maps manifest keys (layer_ids,
-    hidden_size, codec, or target.<field>) to the values the consumer needs."""
+    hidden_size, codec, topk, or target.<field>) to the values the consumer needs."""
     for key, want in expected.items():
         have = manifest
         for part in key.split("."):
@@ -237,8 +281,9 @@ def verify_shard(path: Path, manifest: dict) -> None:
             f"{path}: sha256 {got} does not match the manifest's {entry['sha256']}"
         )
     info = FeatureShard(path).info
-    for key in ("codec", "layer_ids", "hidden_size"):
-        if getattr(info, key) != manifest.get(key):
+    recorded = {"topk": 0} | manifest  # manifests written before soft targets existed lack topk
+    for key in ("codec", "layer_ids", "hidden_size", "topk"):
+        if getattr(info, key) != recorded.get(key):
             raise DataError(
-                f"{path}: {key} {getattr(info, key)!r} differs from the manifest's {manifest.get(key)!r}"
+                f"{path}: {key} {getattr(info, key)!r} differs from the manifest's {recorded.get(key)!r}"
             )

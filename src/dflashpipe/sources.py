@@ -2,23 +2,29 @@
 
 A reader yields `RawConversation`s (role names still as the file spells them) and reports every
 row it cannot use to a `DropLog` with the file and row, so a bad line never stops the stage and
-never disappears silently.
+never disappears silently. Code sources (kind python) also fill a `ReadLog`: which files they
+read, so stats.json can tell whether two runs read the same code.
 """
 
 from __future__ import annotations
 
 import ast
 import gzip
+import hashlib
 import json
+import os
+import platform
 import re
+import sysconfig
 import textwrap
 import zipfile
+import zlib
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dflashpipe.config import TEMPLATE_KINDS, FieldMap, SourceConfig
+from dflashpipe.config import STDLIB_PATH, TEMPLATE_KINDS, FieldMap, SourceConfig
 from dflashpipe.errors import DataError
 
 # Column names per kind when the source's `fields` leaves them unset.
@@ -31,6 +37,10 @@ KIND_FIELDS = {
     "python": FieldMap(id="task_id", prompt="prompt", response="canonical_solution"),
 }
 EXAMPLES_PER_REASON = 3
+# Directories of installed packages, never part of a code source's own code (the interpreter's
+# standard library directory holds site-packages).
+INSTALLED_DIRS = ("site-packages", "dist-packages")
+TEST_DIRS = ("test", "tests", "testing", "idle_test")  # idle_test: idlelib's, in the stdlib
 
 
 @dataclass
@@ -51,6 +61,25 @@ class DropLog:
         self.counts[reason] += 1
         if self.counts[reason] <= EXAMPLES_PER_REASON:
             self.examples.append(f"{origin}: {reason}" + (f" ({detail})" if detail else ""))
+
+
+@dataclass
+class ReadLog:
+    """The .py files one code source read, for stats.json: where from (for <stdlib>, also which
+    interpreter), how many, and one sha256 over their sorted (name, file sha256) pairs, so two
+    runs with the same digest read the same code."""
+
+    path: str = ""
+    python: dict | None = None  # {"implementation", "version"} of the interpreter, for <stdlib>
+    hashes: dict[str, str] = field(default_factory=dict)
+
+    def add(self, name: str, raw: bytes) -> None:
+        self.hashes[name] = hashlib.sha256(raw).hexdigest()
+
+    def summary(self) -> dict:
+        pairs = "".join(f"{name}\t{digest}\n" for name, digest in sorted(self.hashes.items()))
+        return {"path": self.path, **(self.python or {}), "read": len(self.hashes),
+                "sha256": hashlib.sha256(pairs.encode()).hexdigest()}  # fmt: skip
 
 
 def resolve_fields(src: SourceConfig) -> FieldMap:
@@ -164,8 +193,6 @@ def _jsonl_records(path: Path, text: str, drops: DropLog) -> Iterator[tuple[str,
 
 
 def _read_text(path: Path) -> str:
-    if not path.is_file():
-        raise DataError(f"prompt source file not found: {path}")
     try:
         raw = path.read_bytes()
         if path.suffix == ".gz":
@@ -178,13 +205,17 @@ def _read_text(path: Path) -> str:
         raise DataError(f"{path}: not UTF-8 text ({e})") from None
 
 
-def _file_records(src: SourceConfig, drops: DropLog) -> Iterator[tuple[str, object]]:
-    path = Path(src.path)
+def _file_records(
+    src: SourceConfig, drops: DropLog, files: ReadLog
+) -> Iterator[tuple[str, object]]:
+    path = _stdlib(src, files) if src.path == STDLIB_PATH else Path(src.path)
+    if not path.exists():
+        raise DataError(f"prompt source file not found: {path} (prompts.sources '{src.name}' path)")
     if src.kind == "parquet":
         yield from _parquet_records(path)
         return
     if src.kind == "python":
-        yield from _python_records(path, drops)
+        yield from _python_records(path, drops, files)
         return
     text = _read_text(path)
     if src.kind == "sharegpt" and text.lstrip().startswith("["):
@@ -197,8 +228,6 @@ def _parquet_records(path: Path) -> Iterator[tuple[str, object]]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    if not path.is_file():
-        raise DataError(f"prompt source file not found: {path}")
     try:
         pf = pq.ParquetFile(path)
     except (pa.ArrowInvalid, OSError) as e:
@@ -210,41 +239,67 @@ def _parquet_records(path: Path) -> Iterator[tuple[str, object]]:
             row += 1
 
 
-def _python_files(path: Path) -> Iterator[tuple[str, str, bytes]]:
-    """(name, where, bytes) of every .py file in a wheel or zip, under a directory, or the file
-    itself: `name` is its path inside the source, `where` names it in drops and origins."""
-    if not path.exists():
-        raise DataError(f"prompt source file not found: {path}")
+def _stdlib(src: SourceConfig, files: ReadLog) -> Path:
+    """The running interpreter's standard library directory (path <stdlib>); `files` records
+    which interpreter it is, since another Python's stdlib makes other prompts."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    if not root.is_dir():
+        raise DataError(
+            f"prompts.sources '{src.name}': path {STDLIB_PATH} resolves to {root}, "
+            "which is not a directory"
+        )
+    files.python = {
+        "implementation": platform.python_implementation(),
+        "version": platform.python_version(),
+    }
+    return root
+
+
+def _python_files(path: Path) -> Iterator[tuple[str, str, Callable[[], bytes]]]:
+    """(name, where, read) of every .py file in a wheel or zip, under a directory (outside its
+    site-packages), or the file itself: `name` is its path inside the source, `where` names it in
+    drops and origins, `read()` returns its bytes (a skipped file is never read)."""
     if path.is_dir():
-        for f in sorted(path.rglob("*.py")):
-            yield f.relative_to(path).as_posix(), str(f), f.read_bytes()
+        for f in sorted(_py_files_under(path)):
+            yield f.relative_to(path).as_posix(), str(f), f.read_bytes
     elif path.suffix in (".whl", ".zip"):
         try:
             with zipfile.ZipFile(path) as zf:
                 for name in sorted(n for n in zf.namelist() if n.endswith(".py")):
-                    yield name, f"{path}!{name}", zf.read(name)
+                    yield name, f"{path}!{name}", lambda name=name: zf.read(name)
         except zipfile.BadZipFile as e:
             raise DataError(f"{path}: not a readable wheel or zip ({e})") from None
     else:
-        yield path.name, str(path), path.read_bytes()
+        yield path.name, str(path), path.read_bytes
+
+
+def _py_files_under(root: Path) -> Iterator[Path]:
+    for folder, dirs, names in os.walk(root):
+        dirs[:] = [d for d in dirs if d not in INSTALLED_DIRS]
+        yield from (Path(folder, n) for n in names if n.endswith(".py"))
 
 
 def _is_test_module(name: str) -> bool:
     parts = name.split("/")
-    return any(p in ("test", "tests", "testing") for p in parts[:-1]) or parts[-1].startswith(
-        ("test_", "conftest")
-    )
+    return any(p in TEST_DIRS for p in parts[:-1]) or parts[-1].startswith(("test_", "conftest"))
 
 
-def _python_records(path: Path, drops: DropLog) -> Iterator[tuple[str, object]]:
+def _python_records(path: Path, drops: DropLog, files: ReadLog) -> Iterator[tuple[str, object]]:
     """HumanEval-shaped tasks from Python code: every documented public function and method,
     with its signature and docstring as the prompt and the whole function as the dataset's
-    answer. Test modules, private names, undocumented functions and functions that are only a
-    docstring are counted as drops."""
-    for name, where, raw in _python_files(path):
+    answer. Test modules, unreadable files, private names, undocumented functions and functions
+    that are only a docstring are counted as drops; every file read goes into `files`."""
+    files.path = str(path)
+    for name, where, read in _python_files(path):
         if _is_test_module(name):
             drops.drop("test_module", where)
             continue
+        try:
+            raw = read()
+        except (OSError, zipfile.BadZipFile, zlib.error) as e:  # permissions, a corrupt member
+            drops.drop("unreadable", where, getattr(e, "strerror", None) or str(e))
+            continue
+        files.add(name, raw)
         try:  # ast numbers lines by \n, \r\n and \r only (str.splitlines also splits at \f)
             text = raw.decode("utf-8").replace("\r\n", "\n").replace("\r", "\n")
             tree = ast.parse(text, filename=name)
@@ -298,7 +353,11 @@ def _hf_records(src: SourceConfig) -> Iterator[tuple[str, object]]:
         yield f"{src.dataset}[{src.hf_split}]:row {i}", rec
 
 
-def read_source(src: SourceConfig, drops: DropLog) -> Iterator[RawConversation]:
-    """Every usable conversation of one configured source, in file order."""
-    records = _hf_records(src) if src.kind == "hf" else _file_records(src, drops)
+def read_source(
+    src: SourceConfig, drops: DropLog, files: ReadLog | None = None
+) -> Iterator[RawConversation]:
+    """Every usable conversation of one configured source, in file order; a code source's files
+    go into `files`."""
+    files = ReadLog() if files is None else files
+    records = _hf_records(src) if src.kind == "hf" else _file_records(src, drops, files)
     yield from _conversations(records, src, drops)

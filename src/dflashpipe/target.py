@@ -173,6 +173,18 @@ def load_target(cfg: TargetConfig, device: torch.device, base_only: bool = False
     return model, tok
 
 
+def load_target_config(cfg: TargetConfig):
+    """The target's transformers config alone (no weights): for checks before a stage takes a
+    device."""
+    from transformers import AutoConfig
+
+    name, kwargs = _source(cfg)
+    try:
+        return AutoConfig.from_pretrained(name, **kwargs)
+    except (OSError, ValueError) as e:
+        raise DataError(f"cannot load the config of target {cfg.model!r}: {e}") from None
+
+
 def weight_files(cfg: TargetConfig) -> list[Path]:
     """The files whose bytes define the target's weights."""
     root = Path(cfg.model)

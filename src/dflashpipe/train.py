@@ -2,6 +2,7 @@
 
     manifest check ─► drafter sized like the target (its embedding + LM head, frozen)
       ─► per epoch: packed micro-batches (data.py) ─► forward (flex / SDPA masks) ─► weighted CE
+          (+ KL to the target's top-k soft targets, with train.distill_weight > 0)
       ─► backward (DDP, accumulation) ─► clip ─► AdamW ─► warmup+cosine
       ─► every log_every: reduce metrics, JSONL (+ TensorBoard) ─► every checkpoint_every: save
       ─► export results/drafter/ (rank 0)
@@ -41,7 +42,7 @@ from dflashpipe.data import (
 )
 from dflashpipe.errors import DataError
 from dflashpipe.export import save_drafter
-from dflashpipe.loss import block_labels, default_gamma, dflash_loss
+from dflashpipe.loss import block_labels, block_soft_targets, default_gamma, dflash_loss
 from dflashpipe.metrics import MetricsLog, expected_acceptance, step_flops
 from dflashpipe.model import FROZEN_PREFIXES, Drafter, DrafterConfig, init_from_target_layers
 from dflashpipe.shards import FeatureShard, check_manifest, verify_shard
@@ -99,15 +100,32 @@ def read_manifest(path: Path) -> dict:
     return manifest
 
 
-def extra_features(path: Path, own: dict) -> tuple[dict, list[Path]]:
+def soft_targets_of(path: Path, manifest: dict, distill_weight: float) -> int:
+    """The k of the top-k soft targets that train.distill_weight > 0 trains on (0 when it is 0);
+    features without them are refused, naming the manifest."""
+    if not distill_weight:
+        return 0
+    k = manifest.get("topk", 0)  # manifests written before soft targets existed lack it
+    if not k:
+        raise DataError(
+            f"{path}: the features have no top-k soft targets (made with extract.topk 0), but "
+            f"train.distill_weight {distill_weight} trains on them; extract with extract.topk > 0, "
+            "or set train.distill_weight to 0"
+        )
+    return k
+
+
+def extra_features(path: Path, own: dict, topk: int = 0) -> tuple[dict, list[Path]]:
     """(manifest, shard paths) of more features to train on (`train.extra_features`): they must
     come from the same target (weights and tokenizer) with the same layers and hidden size as the
-    stage's own; their shards are the files of those names beside the manifest."""
+    stage's own (and, with soft targets, the same top-k); their shards are the files of those
+    names beside the manifest."""
     manifest = read_manifest(path)
     try:
         check_manifest(manifest, {key: own.get(key) for key in ("layer_ids", "hidden_size")}
                        | {f"target.{k}": own["target"].get(k)
-                          for k in ("weights_sha256", "tokenizer_sha256")})  # fmt: skip
+                          for k in ("weights_sha256", "tokenizer_sha256")}
+                       | ({"topk": topk} if topk else {}))  # fmt: skip
     except DataError as e:
         raise DataError(f"train.extra_features {path}: {e}") from None
     return manifest, [path.parent / Path(s["path"]).name for s in manifest["shards"]]
@@ -122,41 +140,50 @@ def compute_head(drafter: Drafter, device: torch.device) -> torch.Tensor:
 
 
 def forward_loss(
-    model: torch.nn.Module, head: torch.Tensor, b: dict, block_size: int, gamma: float
-) -> tuple[torch.Tensor, dict]:
+    model: torch.nn.Module, head: torch.Tensor, b: dict, block_size: int, gamma: float,
+    distill_weight: float = 0.0,
+) -> tuple[torch.Tensor, dict]:  # fmt: skip
     """One micro-batch's DFlash loss and metrics (tensors, no host sync): drafter forward under
-    bf16 autocast on GPU, labels, chunked weighted CE against the frozen head."""
+    bf16 autocast on GPU, labels (and soft targets), chunked weighted CE (mixed with the KL to
+    the target's top-k) against the frozen head."""
     cuda = b["input_ids"].is_cuda
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
         out = model(b["input_ids"], b["target_hidden"], b["position_ids"], b["document_ids"],
                     b["anchors"], b["keep"])  # fmt: skip  # (A, B, H)
     labels, valid = block_labels(b["input_ids"], b["document_ids"], b["loss_mask"], b["anchors"],
                                  b["keep"], block_size)  # fmt: skip
-    return dflash_loss(out.to(head.dtype), head, labels, valid, gamma)
+    soft = None
+    if distill_weight:
+        soft = block_soft_targets(b["topk_ids"], b["topk_logprobs"], b["anchors"], block_size)
+    return dflash_loss(out.to(head.dtype), head, labels, valid, gamma, soft=soft,
+                       distill_weight=distill_weight)  # fmt: skip
 
 
 class Trainer:
     def __init__(self, cfg: Config, manifest_path: Path, run_dir: Path, device: torch.device):
-        self.cfg, self.tc, self.device, self.run_dir = cfg, cfg.section("train"), device, run_dir
+        self.cfg, self.tc, self.device, self.run_dir = cfg, cfg.train, device, run_dir
         run_dir.mkdir(parents=True, exist_ok=True)
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.manifest = read_manifest(Path(manifest_path))
+        self.topk = soft_targets_of(Path(manifest_path), self.manifest, self.tc.distill_weight)
         own = [Path(s["path"]) for s in self.manifest["shards"]]
-        extra = [extra_features(Path(p), self.manifest) for p in self.tc["extra_features"]]
+        extra = [extra_features(Path(p), self.manifest, self.topk) for p in self.tc.extra_features]
         # every shard beside the manifest that vouches for it; the stage's own come first
         self.vouched = [(path, self.manifest) for path in own]
         self.vouched += [(path, manifest) for manifest, paths in extra for path in paths]
         self.shards = [path for path, _ in self.vouched]
-        self.tokens = self.tc["micro_batch_tokens"] or self.tc["max_length"]
+        self.tokens = self.tc.micro_batch_tokens or self.tc.max_length
         self._build_model()
         self.stats: dict = {}
+        own_samples = index_samples(own, self.tokens, self.stats, self.topk)
         self.samples, self.val_samples = split_validation(
-            index_samples(own, self.tokens, self.stats), self.tc["val_samples"], self.tc["seed"]
+            own_samples, self.tc.val_samples, self.tc.seed
         )
         added: list[Sample] = []
-        if len(self.shards) > len(own):  # trained on, never held out: the held-out figures stay
-            added = index_samples(self.shards[len(own) :], self.tokens, self.stats)  # the own
+        if len(self.shards) > len(own):
+            # trained on, never held out: the held-out figures stay the own
+            added = index_samples(self.shards[len(own) :], self.tokens, self.stats, self.topk)
             self.samples += [Sample(s.shard + len(own), s.row, s.length) for s in added]
         if self.rank == 0:
             log.info("training on %d samples (%d of them from train.extra_features), %d held out",
@@ -164,18 +191,18 @@ class Trainer:
         if self.val_samples:
             try:
                 self._val_plan = epoch_plan(
-                    self.val_samples, self.tokens, self.tc["seed"], 0, self.rank, self.world
+                    self.val_samples, self.tokens, self.tc.seed, 0, self.rank, self.world
                 )
             except DataError as e:
                 raise DataError(f"train.val_samples {len(self.val_samples)}: {e}") from None
         self.per_epoch = len(
-            epoch_plan(self.samples, self.tokens, self.tc["seed"], 0, self.rank, self.world)
+            epoch_plan(self.samples, self.tokens, self.tc.seed, 0, self.rank, self.world)
         )
-        self.accum = max(1, (self.tc["tokens_per_step"] or 0) // (self.tokens * self.world))
-        self.total_micro = math.ceil(self.tc["epochs"] * self.per_epoch)
+        self.accum = max(1, (self.tc.tokens_per_step or 0) // (self.tokens * self.world))
+        self.total_micro = math.ceil(self.tc.epochs * self.per_epoch)
         self.total_steps = max(1, self.total_micro // self.accum)
-        if self.tc["max_steps"]:
-            self.total_steps = min(self.total_steps, self.tc["max_steps"])
+        if self.tc.max_steps:
+            self.total_steps = min(self.total_steps, self.tc.max_steps)
         self._build_optimizer()
         self.step, self.epoch, self.micro = 0, 0, 0
         self._resume()
@@ -203,19 +230,19 @@ class Trainer:
             target.config, mask_token_id=mask_id, num_layers=d["num_layers"], block_size=d["block_size"],
             target_layer_ids=self.manifest["layer_ids"], sliding_window=d["sliding_window"],
         )  # fmt: skip
-        torch.manual_seed(self.tc["seed"])
+        torch.manual_seed(self.tc.seed)
         drafter = Drafter.from_target_model(self.dcfg, target)
         if d["init"] == "target-layers":
             used = init_from_target_layers(drafter, target)
             log.info("drafter layers start from the target's decoder layers %s", used)
         drafter = drafter.to(self.device)
         del target
-        if self.device.type == "cuda" and self.tc["compile"]:
+        if self.device.type == "cuda" and self.tc.compile:
             for layer in drafter.layers:  # per layer: every layer kind compiles once
                 layer.compile()
         self.drafter = drafter
         self.head = compute_head(drafter, self.device)
-        self.fsdp = self.world > 1 and self.tc["parallel"] == "fsdp"
+        self.fsdp = self.world > 1 and self.tc.parallel == "fsdp"
         if self.fsdp:
             self.model = shard_fsdp(drafter, self.device)
         elif self.world > 1:
@@ -223,23 +250,25 @@ class Trainer:
             self.model = DDP(drafter, device_ids=ids)
         else:
             self.model = drafter
-        self.gamma = self.tc["gamma"] or default_gamma(self.dcfg.block_size)
+        self.gamma = self.tc.gamma or default_gamma(self.dcfg.block_size)
         self.fingerprint = {f"drafter.{k}": v for k, v in vars(self.dcfg).items()}
         self.fingerprint.update(
-            world=self.world, micro_batch_tokens=self.tokens, num_anchors=self.tc["num_anchors"]
+            world=self.world, micro_batch_tokens=self.tokens, num_anchors=self.tc.num_anchors
         )
-        if self.tc["val_samples"]:  # the held-out samples are not in the training data
-            self.fingerprint["val_samples"] = self.tc["val_samples"]
-        if self.tc["extra_features"]:
-            self.fingerprint["extra_features"] = list(self.tc["extra_features"])
+        if self.tc.val_samples:  # the held-out samples are not in the training data
+            self.fingerprint["val_samples"] = self.tc.val_samples
+        if self.tc.extra_features:
+            self.fingerprint["extra_features"] = list(self.tc.extra_features)
+        if self.tc.distill_weight:  # another objective (and data read): not a run to resume
+            self.fingerprint["distill_weight"] = self.tc.distill_weight
         if self.fsdp:  # its checkpoints key the optimizer state by name, DDP's by position
             self.fingerprint["parallel"] = "fsdp"
 
     def _build_optimizer(self) -> None:
         params = [p for p in self.drafter.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(params, lr=self.tc["lr"], weight_decay=self.tc["weight_decay"],
-                                           betas=tuple(self.tc["betas"]), fused=self.device.type == "cuda")  # fmt: skip
-        warmup = max(1, round(self.tc["warmup_ratio"] * self.total_steps))
+        self.optimizer = torch.optim.AdamW(params, lr=self.tc.lr, weight_decay=self.tc.weight_decay,
+                                           betas=tuple(self.tc.betas), fused=self.device.type == "cuda")  # fmt: skip
+        warmup = max(1, round(self.tc.warmup_ratio * self.total_steps))
 
         def schedule(step: int) -> float:
             if step < warmup:
@@ -311,7 +340,8 @@ class Trainer:
         else:
             ctx = self.model.no_sync() if (self.world > 1 and not sync) else nullcontext()
         with ctx:
-            loss, metrics = forward_loss(self.model, self.head, b, self.dcfg.block_size, self.gamma)
+            loss, metrics = forward_loss(self.model, self.head, b, self.dcfg.block_size, self.gamma,
+                                         self.tc.distill_weight)  # fmt: skip
             (loss / self.accum).backward()
         anchors_pos = torch.where(b["keep"], b["position_ids"][b["anchors"]], -1)
         metrics["flops"] = step_flops(
@@ -321,16 +351,16 @@ class Trainer:
         return loss.detach(), metrics
 
     def train(self) -> None:
-        logger = MetricsLog(self, self.tc["log_every"])
+        logger = MetricsLog(self, self.tc.log_every)
         done = self.step >= self.total_steps
         while not done:
             plan = epoch_plan(
-                self.samples, self.tokens, self.tc["seed"], self.epoch, self.rank, self.world
+                self.samples, self.tokens, self.tc.seed, self.epoch, self.rank, self.world
             )
-            dataset = PackedBatches(self.shards, self.samples, plan, self.tokens, self.tc["num_anchors"],
-                                    self.tc["seed"], self.epoch)  # fmt: skip
+            dataset = PackedBatches(self.shards, self.samples, plan, self.tokens, self.tc.num_anchors,
+                                    self.tc.seed, self.epoch, self.topk)  # fmt: skip
             loader = make_loader(
-                dataset, self.micro, self.tc["num_workers"], self.device.type == "cuda"
+                dataset, self.micro, self.tc.num_workers, self.device.type == "cuda"
             )
             for batch in loader:
                 sync = (self.micro + 1) % self.accum == 0
@@ -339,7 +369,7 @@ class Trainer:
                 self.micro += 1
                 if not sync:
                     continue
-                torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.tc["grad_clip"])
+                torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.tc.grad_clip)
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
                 self.scheduler.step()
@@ -351,7 +381,7 @@ class Trainer:
                     validation = self.validate()
                     logger.start += time.perf_counter() - t0
                 logger.maybe_write(self.step, validation)
-                if self.step % self.tc["checkpoint_every"] == 0 or self.step >= self.total_steps:
+                if self.step % self.tc.checkpoint_every == 0 or self.step >= self.total_steps:
                     logger.check_finite(self.step)
                     self.save()
                 if self.step >= self.total_steps:
@@ -363,7 +393,7 @@ class Trainer:
 
     def _validate_now(self) -> bool:
         last = self.step >= self.total_steps
-        return bool(self.val_samples) and (self.step % self.tc["val_every"] == 0 or last)
+        return bool(self.val_samples) and (self.step % self.tc.val_every == 0 or last)
 
     @torch.no_grad()
     def validate(self) -> dict:
@@ -371,11 +401,11 @@ class Trainer:
         micro-batches and anchors every time), reduced over ranks."""
         B = self.dcfg.block_size
         data = PackedBatches(self.shards, self.val_samples, self._val_plan, self.tokens,
-                             self.tc["num_anchors"], self.tc["seed"], epoch=0)  # fmt: skip
+                             self.tc.num_anchors, self.tc.seed, epoch=0, topk=self.topk)  # fmt: skip
         vec = torch.zeros(2 * B - 1, device=self.device)  # loss sum, correct (B-1), labels (B-1)
         for batch in make_loader(data, 0, workers=0, pin=False):
             b = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
-            loss, m = forward_loss(self.model, self.head, b, B, self.gamma)
+            loss, m = forward_loss(self.model, self.head, b, B, self.gamma, self.tc.distill_weight)
             vec += torch.cat([loss.detach()[None], m["slot_accuracy"] * m["slot_labels"],
                               m["slot_labels"]])  # fmt: skip
         if self.world > 1:
@@ -389,7 +419,7 @@ class Trainer:
         state = self.state_dict()  # every rank: a collective under FSDP
         if self.rank == 0:
             checkpoint.save(
-                self.run_dir, self.step, state, self.fingerprint, self.tc["keep_checkpoints"]
+                self.run_dir, self.step, state, self.fingerprint, self.tc.keep_checkpoints
             )
         if self.world > 1:
             dist.barrier()

@@ -58,8 +58,9 @@ def stage_digest(*sections):
 
 
 def prompt_source_files(wildcards):
-    """Named inputs of the prompts rule: every file-based source (retrievable or the user's)."""
-    return {s.name: s.path for s in CFG.prompts.sources if s.path}
+    """Named inputs of the prompts rule: every file-based source (retrievable or the user's);
+    path <stdlib> is the interpreter's own, no input."""
+    return {s.name: s.file for s in CFG.prompts.sources if s.file}
 
 
 def target_files(wildcards):
