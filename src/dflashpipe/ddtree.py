@@ -17,8 +17,9 @@ on the CPU the same step function runs directly. Rows past the accepted count ar
 (fixed shapes) but lie past T: masked, and overwritten by the next step, as in the DFlash step.
 Every accepted token is the target's own greedy choice after its ancestors, so the output equals
 target-only greedy decoding (up to rounding). An earlier version built the tree on the host from
-the read-back candidates (tree.build_tree, now the reference the device tree is tested against):
-three syncs per step cost the H200 more than the verify itself.
+the read-back candidates (tree.build_tree, now the reference the device tree is tested against),
+with three graphs and three syncs per step; on an H200 the one-graph step measured the same
+speed (benchmarks/RESULTS.md, 2026-12-04), so the syncs were not what a DDTree step costs.
 """
 
 from __future__ import annotations

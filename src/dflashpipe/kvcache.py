@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dflashpipe.model import Drafter, apply_rope, target_rope_parameters
+from dflashpipe.tree import draft_candidates
 
 SUPPORTED_TARGETS = ("llama", "qwen2", "qwen3")
 # RoPE types whose frequencies change with the sequence length at run time: a table computed once
@@ -335,5 +336,4 @@ class StaticDrafter:
 
     def top_k(self, anchor: Tensor, length: Tensor, k: int) -> tuple[Tensor, Tensor]:
         """Per slot 1..B-1 the k most likely tokens: float32 log-probabilities and ids (B-1, k)."""
-        logits = self.slot_logits(anchor, length).float()  # (B-1, V)
-        return torch.log_softmax(logits, -1).topk(k, dim=-1)
+        return draft_candidates(self.slot_logits(anchor, length), k)
