@@ -67,11 +67,6 @@ def attend_cache(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float | N
     return y.reshape(1, Hq, Q, D)  # (1, Hkv, g*Q, D) -> heads; kernels may return it transposed
 
 
-def kv_buffers(n: int, shape: tuple[int, ...], like: Tensor) -> list[Tensor]:
-    """n zeroed static buffers (one per layer) in the dtype and device of `like`."""
-    return [torch.zeros(shape, dtype=like.dtype, device=like.device) for _ in range(n)]
-
-
 def target_layer(
     layer: nn.Module, x: Tensor, k_cache: Tensor, v_cache: Tensor, cos: Tensor, sin: Tensor,
     slots: Tensor, mask: Tensor,
@@ -97,38 +92,67 @@ def target_layer(
 
 def drafter_layer(
     layer: nn.Module, x: Tensor, k_cache: Tensor, v_cache: Tensor, cos: Tensor, sin: Tensor,
-    slots: Tensor, mask: Tensor,
+    slots: Tensor, mask: Tensor, qkv: Tensor, gate_up: Tensor,
 ) -> Tensor:  # fmt: skip
     """One DFlash drafter layer over a block x (B, H): the block's K/V written into `slots`,
-    attention over context + block (the mask of its sliding window, folded)."""
-    attn = layer.self_attn
+    attention over context + block (the mask of its sliding window, folded). q/k/v and gate/up
+    run as one matmul each, with the layer's weights stacked once (`stacked_layer_weights`)."""
+    attn, mlp = layer.self_attn, layer.mlp
     h = layer.input_layernorm(x)
     B, D = h.shape[0], attn.head_dim
-    q = attn.q_norm(attn.q_proj(h).view(B, -1, D))  # (B, Hq, D)
-    k = attn.k_norm(attn.k_proj(h).view(B, -1, D))  # (B, Hkv, D)
-    v = attn.v_proj(h).view(B, -1, D)  # (B, Hkv, D)
+    Hq, Hkv = attn.q_proj.out_features, attn.k_proj.out_features
+    q, k, v = (h @ qkv.T).split([Hq, Hkv, Hkv], -1)
+    q = attn.q_norm(q.view(B, -1, D))  # (B, Hq, D)
+    k = attn.k_norm(k.view(B, -1, D))  # (B, Hkv, D)
+    v = v.view(B, -1, D)  # (B, Hkv, D)
     q = apply_rope(q.transpose(0, 1)[None], cos, sin)  # (1, Hq, B, D)
     k_cache.index_copy_(2, slots, apply_rope(k.transpose(0, 1)[None], cos, sin))
     v_cache.index_copy_(2, slots, v.transpose(0, 1)[None])
     y = attend_cache(q, k_cache, v_cache, mask, None)  # (1, Hq, B, D)
     x = x + attn.o_proj(y[0].transpose(0, 1).reshape(B, -1))
-    return x + layer.mlp(layer.post_attention_layernorm(x))
+    gate, up = (layer.post_attention_layernorm(x) @ gate_up.T).chunk(2, -1)
+    return x + mlp.down_proj(mlp.act_fn(gate) * up)
+
+
+def stacked_layer_weights(layer: nn.Module) -> tuple[Tensor, Tensor]:
+    """What `drafter_layer` takes beside the layer, copied once: q/k/v_proj weights stacked into
+    one (Hq*D + 2*Hkv*D, H) matrix and gate/up_proj into one (2*I, H)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
+    gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
+    return qkv.detach().clone(), gate_up.detach().clone()
 
 
 def context_rows(
-    drafter: Drafter, states: Tensor, k_caches: list[Tensor], v_caches: list[Tensor],
+    drafter: Drafter, states: Tensor, kv: Tensor, weight: Tensor, k_norm: Tensor,
     cos: Tensor, sin: Tensor, slots: Tensor,
 ) -> None:  # fmt: skip
-    """Project target states (R, n_taps*H) once into every drafter layer's context K/V (k_proj
-    -> k_norm -> RoPE, v_proj) at `slots`."""
+    """Project target states (R, n_taps*H) once into every drafter layer's context K/V at
+    `slots`: k_proj -> k_norm -> RoPE and v_proj of all n layers as one matmul with `weight`
+    (2n*Hkv*D, H) (the layers' k_proj then v_proj rows, `stacked_context_weights`), the per-layer
+    k_norm weights `k_norm` (n, D), one write into `kv` (2n, 1, Hkv, L, D) (layer i's K at i,
+    its V at n+i)."""
     ctx = drafter.context(states)  # (R, H)
-    R, D = ctx.shape[0], drafter.config.head_dim
-    for layer, k_cache, v_cache in zip(drafter.layers, k_caches, v_caches, strict=True):
-        attn = layer.self_attn
-        k = attn.k_norm(attn.k_proj(ctx).view(R, -1, D))  # (R, Hkv, D)
-        v = attn.v_proj(ctx).view(R, -1, D)  # (R, Hkv, D)
-        k_cache.index_copy_(2, slots, apply_rope(k.transpose(0, 1)[None], cos, sin))
-        v_cache.index_copy_(2, slots, v.transpose(0, 1)[None])
+    n, R, D = k_norm.shape[0], ctx.shape[0], k_norm.shape[1]
+    rows = (ctx @ weight.T).view(R, 2 * n, -1, D).transpose(0, 1)  # (2n, R, Hkv, D)
+    k, v = rows[:n], rows[n:]
+    # Qwen3RMSNorm per layer, batched: float32 statistics, the weight times the input dtype.
+    k32 = k.float()
+    k32 = k32 * torch.rsqrt(k32.pow(2).mean(-1, keepdim=True) + drafter.config.rms_norm_eps)
+    k = k_norm[:, None, None, :] * k32.to(k.dtype)  # (n, R, Hkv, D)
+    k = apply_rope(k.transpose(1, 2), cos, sin)  # (n, Hkv, R, D)
+    new = torch.cat([k, v.transpose(1, 2)])[:, None]  # (2n, 1, Hkv, R, D)
+    kv.index_copy_(3, slots, new)
+
+
+def stacked_context_weights(drafter: Drafter) -> tuple[Tensor, Tensor]:
+    """What `context_rows` takes, copied once from the drafter's layers: every layer's k_proj
+    then every layer's v_proj weight as one (2n*Hkv*D, H) matrix, and the k_norm weights (n, D).
+    Copies (here and in `stacked_layer_weights`): build the StaticDrafter after the drafter's
+    weights are final."""
+    attns = [layer.self_attn for layer in drafter.layers]
+    weight = torch.cat([a.k_proj.weight for a in attns] + [a.v_proj.weight for a in attns])
+    return weight.detach().clone(), torch.stack([a.k_norm.weight for a in attns]).detach().clone()
 
 
 def compiled(fn, on: bool):
@@ -252,8 +276,9 @@ class StaticTarget:
 
 
 class StaticDrafter:
-    """A DFlash drafter whose context keys/values live in static per-layer buffers: each accepted
-    row is projected once (k_proj -> k_norm -> RoPE at its position, v_proj), at slot = position.
+    """A DFlash drafter whose context keys/values live in one static buffer for all layers: each
+    accepted row is projected once (k_proj -> k_norm -> RoPE at its position, v_proj; every layer
+    in one matmul), at slot = position.
     A draft writes its block's own K/V at slots T..T+B-1 (the next append overwrites them)."""
 
     def __init__(self, drafter: Drafter, max_len: int, compile: bool = False):
@@ -271,8 +296,13 @@ class StaticDrafter:
         self.device, self.dtype = weight.device, weight.dtype
         self.max_len, self.capacity = max_len, _aligned(max_len)
         shape = (1, cfg.num_key_value_heads, self.capacity, cfg.head_dim)
-        self.k = kv_buffers(len(drafter.layers), shape, weight)
-        self.v = kv_buffers(len(drafter.layers), shape, weight)
+        # One buffer for every layer's context K and V (layer i's K at i, its V at n + i), so an
+        # append writes all layers at once (`context_rows`).
+        n = len(drafter.layers)
+        self.kv = torch.zeros((2 * n, *shape), dtype=weight.dtype, device=weight.device)
+        self.k, self.v = list(self.kv[:n]), list(self.kv[n:])  # per-layer views
+        self.context_weight, self.k_norm = stacked_context_weights(drafter)
+        self.layer_weights = [stacked_layer_weights(layer) for layer in drafter.layers]
         self.cols = torch.arange(self.capacity, device=self.device)  # (L,)
         self.offsets = torch.arange(cfg.block_size, device=self.device)  # (B,)
         self.masks_ids = torch.full(
@@ -289,7 +319,10 @@ class StaticDrafter:
         (`eager`: uncompiled, for a prefill's prompt-length rows)."""
         slots = start + torch.arange(states.shape[0], device=self.device)  # (R,)
         run = context_rows if eager else self.context_rows
-        run(self.drafter, states, self.k, self.v, self.cos[slots], self.sin[slots], slots)
+        run(
+            self.drafter, states, self.kv, self.context_weight, self.k_norm, self.cos[slots],
+            self.sin[slots], slots,
+        )
 
     def masks(self, length: Tensor) -> dict[int | None, Tensor]:
         """Per sliding window (None: full) the folded (see `fold_mask`) SDPA form of
@@ -322,7 +355,8 @@ class StaticDrafter:
         masks = self.masks(length)
         for i, layer in enumerate(d.layers):
             mask = masks[layer.self_attn.sliding_window]
-            x = self.layer(layer, x, self.k[i], self.v[i], cos, sin, slots, mask)
+            qkv, gate_up = self.layer_weights[i]
+            x = self.layer(layer, x, self.k[i], self.v[i], cos, sin, slots, mask, qkv, gate_up)
         return d.norm(x)
 
     @torch.no_grad()
