@@ -319,10 +319,8 @@ class StaticDrafter:
         (`eager`: uncompiled, for a prefill's prompt-length rows)."""
         slots = start + torch.arange(states.shape[0], device=self.device)  # (R,)
         run = context_rows if eager else self.context_rows
-        run(
-            self.drafter, states, self.kv, self.context_weight, self.k_norm, self.cos[slots],
-            self.sin[slots], slots,
-        )
+        cos, sin = self.cos[slots], self.sin[slots]  # (R, D)
+        run(self.drafter, states, self.kv, self.context_weight, self.k_norm, cos, sin, slots)
 
     def masks(self, length: Tensor) -> dict[int | None, Tensor]:
         """Per sliding window (None: full) the folded (see `fold_mask`) SDPA form of
