@@ -45,8 +45,8 @@ def test_quality_driver_main_and_variants(tmp_path, smollm2_dir, tiny_target_dir
         {"target": {"model": str(tiny_target_dir), "gguf_file": None}, **TINY},
     )
     runs = tmp_path / "runs"
-    cmd = [sys.executable, str(REPO / "benchmarks" / "quality.py"), "main", "bf16", "dataset-answers", "mixed",
-           "code-answers", "code", "--runs", str(runs), "--configfile", str(tiny), "--cores", str(worker_cores()),
+    cmd = [sys.executable, str(REPO / "benchmarks" / "quality.py"), "main", "bf16", "code-answers",
+           "code", "--runs", str(runs), "--configfile", str(tiny), "--cores", str(worker_cores()),
            "--out", str(tmp_path / "rows.json"), "--bundle", str(tmp_path / "logs.tar.gz")]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=1500)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -61,13 +61,9 @@ def test_quality_driver_main_and_variants(tmp_path, smollm2_dir, tiny_target_dir
     }
     assert codecs == {"bf16-zstd", "fp8-zstd"}
     rows = {r["variant"]: r for r in json.loads((tmp_path / "rows.json").read_text())}
-    assert set(rows) == {"main", "bf16", "dataset-answers", "mixed", "code"}
-    # mixed trains on main's features plus the dataset-answers run's (train.extra_features)
-    extra = extra_samples(runs / "quality-mixed")
-    answers = json.loads(
-        (runs / "quality-dataset-answers" / "results" / "features" / "manifest.json").read_text()
-    )
-    assert extra == answers["totals"]["samples"] > 0
+    # dataset-answers and mixed are the same mechanisms (regenerate off; reuse + wait +
+    # train.extra_features) as tested elsewhere and by code below: left out for the suite's time.
+    assert set(rows) == {"main", "bf16", "code"}
     # code-answers: prompts from the retrieved wheels' functions, regenerated, stopped at extract
     code = runs / "quality-code-answers" / "results"
     sources = json.loads((code / "prompts" / "stats.json").read_text())["sources"]
