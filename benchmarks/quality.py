@@ -12,11 +12,20 @@ result folders of the main run it shares (hard links, so an unchanged stage is n
 its `# target:` line, the Snakemake target it stops at unless `--target` says otherwise.
 A run cut short by `--time-limit` (or killed) continues on the next call: Snakemake keeps the
 finished stages and training resumes from its checkpoints.
+
+Regenerated answers outlive the machine: `--keep DIR` writes each listed run's prompts and
+sequences (the GPU hours of regenerate) as parts of at most 15 MB, named
+`answers-<variant>-<digest>.part-NN` (what a GPU call brings back in $OUT); `--restore DIR` puts
+them back into the listed runs before they start, once the digest and the config sections that
+made them (target, retrieve, prompts, regenerate) match the run's own, with mtimes after every
+input so Snakemake starts at extract. A mismatch is reported and the run regenerates.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
+import io
 import json
 import os
 import shutil
@@ -26,10 +35,17 @@ import sys
 import tarfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from dflashpipe.config import Config
 
 REPO = Path(__file__).resolve().parent.parent
 RECIPE = REPO / "configs" / "smollm2-sharegpt.yaml"
 OVERLAYS = REPO / "benchmarks" / "quality"
+KEPT = ("prompts", "sequences")  # result folders --keep carries, in stage order
+KEPT_SECTIONS = ("target", "retrieve", "prompts", "regenerate")  # the config that made them
+PART_BYTES = 15_000_000  # under a GPU call's 16 MiB per file brought back
 
 
 def overlay(variant: str) -> Path | None:
@@ -101,8 +117,97 @@ def prepare(runs: Path, variant: str, extra_configs: list[str]) -> tuple[Path, l
     return work, [str(p.resolve()) for p in configs]
 
 
+def merged(base: dict, over: dict) -> dict:
+    """`over` merged into `base` key by key, as Snakemake merges --configfile files."""
+    out = dict(base)
+    for key, value in over.items():
+        both = isinstance(value, dict) and isinstance(out.get(key), dict)
+        out[key] = merged(out[key], value) if both else value
+    return out
+
+
+def stage_config(raw: dict) -> Config:
+    """A config mapping validated as the workflow validates it (defaults filled in)."""
+    from dflashpipe.config import Config
+
+    return Config.from_dict(raw)
+
+
+def merged_configs(configs: list[str]) -> dict:
+    """The config files merged in order, as Snakemake merges --configfile."""
+    import yaml
+
+    raw: dict = {}
+    for path in configs:
+        raw = merged(raw, yaml.safe_load(Path(path).read_text()) or {})
+    return raw
+
+
+def keep(runs: Path, variants: list[str], dest: Path) -> None:
+    """Each listed run's regenerated answers (KEPT folders, its resolved config) as one tar in
+    parts of PART_BYTES: answers-<variant>-<16 hex of its sha256>.part-NN."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for v in variants:
+        results = runs / f"quality-{v}" / "results"
+        if not (results / "sequences").is_dir():
+            print(f"[{v}] keep: no regenerated answers under {results}", flush=True)
+            continue
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w") as tar:
+            for name in (*KEPT, "config.resolved.yaml"):
+                tar.add(results / name, arcname=name)
+        data = buf.getvalue()
+        digest = hashlib.sha256(data).hexdigest()[:16]
+        for old in dest.glob(f"answers-{v}-*.part-*"):
+            old.unlink()
+        for i in range(0, len(data), PART_BYTES):
+            part = dest / f"answers-{v}-{digest}.part-{i // PART_BYTES:02d}"
+            part.write_bytes(data[i : i + PART_BYTES])
+        print(f"[{v}] keep: {len(data) / 1e6:.1f} MB in {dest}/answers-{v}-{digest}.part-*")
+
+
+def restore(runs: Path, variant: str, src: Path, configs: list[str]) -> bool:
+    """The variant's kept answers from src into its run, where it has none yet; False (and why,
+    printed) where there are none to restore, their digest fails or their config differs."""
+    results = runs / f"quality-{variant}" / "results"
+    parts = sorted(src.glob(f"answers-{variant}-*.part-*"))
+    if not parts or (results / "sequences").exists():
+        return False
+    names = {p.name.rsplit(".part-", 1)[0] for p in parts}
+    if len(names) > 1:
+        print(f"[{variant}] restore: several kept sets in {src}: {sorted(names)}", flush=True)
+        return False
+    data = b"".join(p.read_bytes() for p in parts)
+    want = parts[0].name.rsplit(".part-", 1)[0].rsplit("-", 1)[1]
+    if hashlib.sha256(data).hexdigest()[:16] != want:
+        print(f"[{variant}] restore: {len(parts)} parts of {want} do not match their digest "
+              "(a part missing or damaged); regenerating", flush=True)  # fmt: skip
+        return False
+    import yaml
+
+    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+        kept = stage_config(yaml.safe_load(tar.extractfile("config.resolved.yaml").read()))
+        ours = stage_config(merged_configs(configs))
+        if ours.digest(*KEPT_SECTIONS) != kept.digest(*KEPT_SECTIONS):
+            diff = [k for k in KEPT_SECTIONS if ours.digest(k) != kept.digest(k)]
+            print(f"[{variant}] restore: the kept answers were made with other {diff} "
+                  "sections; regenerating", flush=True)  # fmt: skip
+            return False
+        members = [m for m in tar.getmembers() if m.name.split("/")[0] in KEPT]
+        tar.extractall(results, members=members, filter="data")
+    # Newer than every input (resources assembled on this machine, the recipe), in stage order.
+    now = time.time()
+    for order, name in enumerate(KEPT):
+        for path in [results / name, *(results / name).rglob("*")]:
+            os.utime(path, (now + order, now + order))
+    print(f"[{variant}] restore: {len(data) / 1e6:.1f} MB of kept answers into {results}")
+    return True
+
+
 def run_workflow(args: argparse.Namespace, variant: str, deadline: float) -> int:
     work, configs = prepare(Path(args.runs), variant, args.configfile)
+    if args.restore:
+        restore(Path(args.runs), variant, Path(args.restore), configs)
     cmd = [sys.executable, "-m", "snakemake", "-s", str(REPO / "Snakefile"), "--directory",
            str(work), "--configfile", *configs, "--cores", args.cores, "--rerun-incomplete", target_of(variant, args.target)]  # fmt: skip
     print(f"[{variant}] {' '.join(cmd)}", flush=True)
@@ -232,6 +337,11 @@ def main() -> None:
     ap.add_argument("--bundle", default=None,
                     help="also pack every run's logs, metrics, benchmark files and report into this "
                          ".tar.gz (one file to bring back from a remote machine)")  # fmt: skip
+    ap.add_argument("--keep", default=None,
+                    help="write the listed runs' regenerated answers here, in parts (also with "
+                         "--table)")  # fmt: skip
+    ap.add_argument("--restore", default=None,
+                    help="restore each listed run's kept answers from here before it starts")  # fmt: skip
     args = ap.parse_args()
     deadline = time.monotonic() + (args.time_limit or float("inf"))
     rc = 0
@@ -249,6 +359,8 @@ def main() -> None:
         Path(args.out).write_text(json.dumps(rows, indent=2))
     if args.bundle:
         bundle(Path(args.runs), Path(args.bundle))
+    if args.keep:
+        keep(Path(args.runs), args.variants, Path(args.keep))
     print(table(rows) if rows else "no finished quality runs yet")
     sys.exit(rc)
 

@@ -6,6 +6,7 @@ finished stages instead of redoing them, and the summary table reports both."""
 
 import importlib.util
 import json
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -92,6 +93,36 @@ def test_quality_driver_main_and_variants(tmp_path, smollm2_dir, tiny_target_dir
                 f"{run}/logs/evaluate.log", f"{run}/quality.log"} <= names  # fmt: skip
     assert not [n for n in names if n.endswith((".arrow", ".parquet", ".safetensors", ".pt"))]
 
+    # Kept answers: main's prompts and sequences in parts, restored into a fresh run that then
+    # starts after regenerate; refused when damaged or made with another regenerate section.
+    kept = tmp_path / "kept"
+    keep = [sys.executable, str(REPO / "benchmarks" / "quality.py"), "main", "--runs", str(runs),
+            "--table", "--keep", str(kept)]  # fmt: skip
+    assert subprocess.run(keep, capture_output=True, text=True, timeout=300).returncode == 0
+    parts = sorted(kept.glob("answers-main-*.part-*"))
+    assert parts, sorted(kept.iterdir())
+    fresh = tmp_path / "fresh"
+    again = [sys.executable, str(REPO / "benchmarks" / "quality.py"), "main", "--runs", str(fresh),
+             "--configfile", str(tiny), "--restore", str(kept), "--target", "regenerate"]  # fmt: skip
+    done = subprocess.run(again, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "restore:" in done.stdout and "kept answers into" in done.stdout
+    restored = fresh / "quality-main" / "results"
+    assert (restored / seq).read_bytes() == (main / seq).read_bytes()
+    assert not (restored / "logs" / "regenerate").exists()  # nothing regenerated
+    assert not (restored / "logs" / "prompts.log").exists()
+    quality = _load_quality()
+    configs = [str(p) for p in (quality.RECIPE, tiny)]
+    other = write_yaml(tmp_path / "seed.yaml", {"regenerate": {"seed": 12345}})
+    assert not quality.restore(tmp_path / "other", "main", kept, [*configs, str(other)])
+    assert not (tmp_path / "other" / "quality-main" / "results" / "sequences").exists()
+    damaged = tmp_path / "damaged"
+    shutil.copytree(kept, damaged)
+    part = sorted(damaged.iterdir())[-1]
+    part.write_bytes(part.read_bytes()[:-1])
+    assert not quality.restore(tmp_path / "third", "main", damaged, configs)
+    assert quality.restore(tmp_path / "fourth", "main", kept, configs)  # the same config: restored
+
 
 def test_a_run_trained_but_not_evaluated_has_a_row_of_training_figures(tmp_path):
     """`--target train` (or a run cut short): the table shows its held-out expected tau."""
@@ -135,13 +166,7 @@ def test_every_overlay_is_a_valid_config_on_the_recipe():
 
     from dflashpipe.config import Config
 
-    def merged(base: dict, over: dict) -> dict:
-        out = dict(base)
-        for key, value in over.items():
-            both = isinstance(value, dict) and isinstance(out.get(key), dict)
-            out[key] = merged(out[key], value) if both else value
-        return out
-
+    merged = _load_quality().merged
     recipe = yaml.safe_load((REPO / "configs" / "smollm2-sharegpt.yaml").read_text())
     overlays = sorted((REPO / "benchmarks" / "quality").glob("*.yaml"))
     assert len(overlays) >= 10

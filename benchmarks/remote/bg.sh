@@ -5,10 +5,12 @@
 # runs its `# wait:` line names (relative to its work directory) exist. /tmp/q/ALLDONE marks
 # the end. QUALITY_EXTRA=FILE adds one more config file on top of every run's (e.g. other sizes);
 # MAIN_TARGET=extract stops main at its features (when only a variant's drafter is wanted).
+# Answers kept from an earlier machine (mon.sh KEEP=..., carried as .remote/k*/ and gathered by
+# setup.sh in /tmp/xfer) are restored into their runs first (quality.py --restore).
 cd "$(dirname "$0")/../.." && . benchmarks/remote/setup.sh >/dev/null
 mkdir -p /tmp/q
 M=/tmp/runs/quality-main/results
-EXTRA=${QUALITY_EXTRA:+--configfile $QUALITY_EXTRA}
+EXTRA="${QUALITY_EXTRA:+--configfile $QUALITY_EXTRA} --restore /tmp/xfer"
 python3 benchmarks/quality.py main --runs /tmp/runs --target ${MAIN_TARGET:-all} $EXTRA > /tmp/q/main.out 2>&1 &
 for spec in "$@"; do   # VARIANT or VARIANT:TARGET (e.g. block16:train: no evaluate)
   v=${spec%%:*}; target=all; [[ $spec == *:* ]] && target=${spec#*:}

@@ -1,6 +1,8 @@
 #!/bin/bash
 # bash benchmarks/remote/mon.sh SECONDS: the background quality runs' status every 60 s until all
 # are done or SECONDS pass; then the table, and their small files bundled into $OUT/q.tar.gz.
+# KEEP="main code-answers" also brings those runs' regenerated answers back in $OUT (parts of
+# <= 15 MB, quality.py --keep; at most 6 parts fit beside the two other files a call returns).
 cd "$(dirname "$0")/../.." && . benchmarks/remote/setup.sh >/dev/null
 end=$((SECONDS + $1))
 if ! ls -d /tmp/runs/quality-* >/dev/null 2>&1; then  # a fresh machine: the warm one was handed back
@@ -23,3 +25,4 @@ done
 status
 python3 benchmarks/quality.py --table --runs /tmp/runs --out $OUT/rows.json --bundle $OUT/q.tar.gz
 cat /tmp/q/*.out > $OUT/drivers.out 2>/dev/null
+[ -n "${KEEP:-}" ] && python3 benchmarks/quality.py $KEEP --runs /tmp/runs --table --keep $OUT >/dev/null

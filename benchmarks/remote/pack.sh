@@ -8,9 +8,21 @@
 # There: `. benchmarks/remote/setup.sh` after each part arrives (it assembles resources/ under
 # /tmp/res once both are there), then `setsid bash benchmarks/remote/bg.sh bf16 ...` starts the
 # runs in the background and `bash benchmarks/remote/mon.sh SECONDS` follows them.
+# `pack.sh answers DIR...`: instead, the kept answers a call brought back (answers-*.part-*, from
+# mon.sh with KEEP=...) into .remote/k1, k2, ... of at most 60 MB each, one carry per folder;
+# setup.sh gathers them and bg.sh restores them, so those runs start at extract.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 R=.remote
+if [ "${1:-}" = answers ]; then
+  shift; rm -rf $R/k*; n=1; used=0
+  for part in $(ls "$@"/answers-*.part-* | sort); do
+    size=$(stat -c %s "$part")
+    if [ $((used + size)) -gt 60000000 ]; then n=$((n + 1)); used=0; fi
+    mkdir -p $R/k$n && cp "$part" $R/k$n/ && used=$((used + size))
+  done
+  du -sh $R/k*; exit 0
+fi
 rm -rf $R && mkdir -p $R/a/whl $R/b $R/c
 wheels=$(grep -v '^connection-pool' benchmarks/remote/wheels.txt)
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \

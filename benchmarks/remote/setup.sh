@@ -1,6 +1,7 @@
 # Source on the GPU machine from the repo root: `. benchmarks/remote/setup.sh` (parts made by
 # pack.sh). Idempotent across calls on one warm machine: wheels into /tmp/site, carried parts into
-# /tmp/xfer, resources assembled in /tmp/res and linked as resources/; `python` runs python3.
+# /tmp/xfer (kept answers from .remote/k* too), resources assembled in /tmp/res and linked as
+# resources/; `python` runs python3.
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 mkdir -p /tmp/site /tmp/xfer /tmp/res/smollm2 /tmp/res/sharegpt /tmp/res/humaneval /tmp/res/code /tmp/bin
 if [ -d .remote/a/whl ] && [ ! -f /tmp/site/.done ]; then
@@ -8,7 +9,7 @@ if [ -d .remote/a/whl ] && [ ! -f /tmp/site/.done ]; then
 fi
 [ -x /tmp/bin/python ] || { printf '#!/bin/sh\nexec python3 "$@"\n' > /tmp/bin/python; chmod +x /tmp/bin/python; }
 export PATH=/tmp/bin:/tmp/site/bin:$PATH PYTHONPATH=/tmp/site:$PWD/src
-for d in .remote/a .remote/b .remote/c; do [ -d $d ] && find $d -maxdepth 1 -type f -exec cp --update=none {} /tmp/xfer/ \;; done
+for d in .remote/a .remote/b .remote/c .remote/k*; do [ -d $d ] && find $d -maxdepth 1 -type f -exec cp --update=none {} /tmp/xfer/ \;; done
 G=/tmp/res/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 if [ ! -f $G ] && [ -f /tmp/xfer/gguf.0 ] && [ -f /tmp/xfer/gguf.1 ]; then cat /tmp/xfer/gguf.0 /tmp/xfer/gguf.1 > $G.tmp && mv $G.tmp $G; fi
 S=/tmp/res/sharegpt/ShareGPT_V3_unfiltered_cleaned_split.json
