@@ -127,9 +127,10 @@ def test_soft_target_of_a_slot_is_the_targets_prediction_one_position_earlier():
     assert torch.equal(got_lp[1], logprobs[4:7])
 
 
-def dense_distill_reference(hidden, weight, stream, anchors, keep, topk, gamma, d):
+def dense_distill_reference(hidden, weight, stream, anchors, keep, topk, gamma, d, r=0.0, rank_k=1):
     """Position by position, float64: the drafter's full-vocabulary log-softmax, the target's
-    top-k renormalized over its k ids as a dense distribution, (1 - d) CE + d KL, the DFlash slot
+    top-k renormalized over its k ids as a dense distribution, (1 - d - r) CE + d KL + r
+    softplus(rank_k-th largest logit among the other tokens - the label's), the DFlash slot
     weights and the hard loss's masks (in-document, supervised, kept, slot >= 1)."""
     ids, docs, loss_mask = stream
     topk_ids, topk_logprobs = topk
@@ -142,15 +143,20 @@ def dense_distill_reference(hidden, weight, stream, anchors, keep, topk, gamma, 
             p = a + j
             if not (keep[i] and p < T and docs[p] == docs[a] and loss_mask[p]):
                 continue
-            log_q = torch.log_softmax(hidden[i, j].double() @ weight.double().T, -1)  # (V,)
-            target = torch.zeros(V, dtype=torch.float64)  # the target's p(x_p): row p - 1
-            lp = topk_logprobs[p - 1].double()
-            target[topk_ids[p - 1]] = lp.exp() / lp.exp().sum()
-            on = target > 0
-            kl = (target[on] * (target[on].log() - log_q[on])).sum()
+            z = hidden[i, j].double() @ weight.double().T  # (V,)
+            log_q = torch.log_softmax(z, -1)
+            kl = 0.0
+            if d:
+                target = torch.zeros(V, dtype=torch.float64)  # the target's p(x_p): row p - 1
+                lp = topk_logprobs[p - 1].double()
+                target[topk_ids[p - 1]] = lp.exp() / lp.exp().sum()
+                on = target > 0
+                kl = (target[on] * (target[on].log() - log_q[on])).sum()
             ce = -log_q[ids[p]]
+            others = torch.cat([z[: ids[p]], z[ids[p] + 1 :]])  # every token but the label
+            rank = F.softplus(others.sort(descending=True).values[rank_k - 1] - z[ids[p]])
             w = math.exp(-(j - 1) / gamma)
-            total = total + w * ((1 - d) * ce + d * kl)
+            total = total + w * ((1 - d - r) * ce + d * kl + r * rank)
             norm += w
     return total / norm
 
@@ -188,3 +194,41 @@ def test_distillation_loss_and_gradient_equal_the_dense_reference(distill_weight
     assert abs(loss.item() - hard.item()) > 1e-3  # the soft term is really in the loss
     with pytest.raises(ValueError, match="needs the soft targets"):
         dflash_loss(hidden, weight, labels, valid, 4.0, distill_weight=distill_weight)
+
+
+@pytest.mark.parametrize(
+    ("distill_weight", "rank_weight", "rank_k"), [(0.0, 0.4, 3), (0.3, 0.5, 1)]
+)
+def test_ranking_term_equals_the_dense_reference(distill_weight, rank_weight, rank_k):
+    """The tree-aware term (train.rank_weight): loss and gradient as the dense float64 sum, alone
+    with cross-entropy and beside the soft-target KL; the shares are checked."""
+    g = torch.Generator().manual_seed(5)
+    T, A, B, H, V, k = 20, 6, 4, 8, 30, 3
+    ids = torch.randint(0, V, (T,), generator=g)
+    docs, loss_mask = torch.zeros(T, dtype=torch.long), torch.ones(T, dtype=torch.long)
+    anchors, keep = torch.tensor([0, 2, 5, 9, 13, 18]), torch.ones(6, dtype=torch.bool)
+    topk_ids = torch.stack([torch.randperm(V, generator=g)[:k] for _ in range(T)]).int()
+    topk_logprobs = torch.randn(T, k, generator=g).log_softmax(-1).half()
+    hidden = torch.randn(A, B, H, generator=g, requires_grad=True)
+    weight = torch.randn(V, H, generator=g)
+    labels, valid = block_labels(ids, docs, loss_mask, anchors, keep, B)
+    soft = block_soft_targets(topk_ids, topk_logprobs, anchors, B)
+    loss, _ = dflash_loss(hidden, weight, labels, valid, 4.0, chunk_rows=4, soft=soft,
+                          distill_weight=distill_weight, rank_weight=rank_weight, rank_k=rank_k)  # fmt: skip
+    (grad,) = torch.autograd.grad(loss, hidden)
+    ref_hidden = hidden.detach().double().requires_grad_()
+    ref = dense_distill_reference(
+        ref_hidden, weight, (ids, docs, loss_mask), anchors, keep, (topk_ids.long(), topk_logprobs),
+        4.0, distill_weight, rank_weight, rank_k,
+    )  # fmt: skip
+    (ref_grad,) = torch.autograd.grad(ref, ref_hidden)
+    torch.testing.assert_close(loss.double(), ref.detach(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(grad.double(), ref_grad, atol=1e-6, rtol=1e-4)
+    without, _ = dflash_loss(hidden.detach(), weight, labels, valid, 4.0, soft=soft,
+                             distill_weight=distill_weight)  # fmt: skip
+    assert abs(loss.item() - without.item()) > 1e-3  # the ranking term is really in the loss
+    with pytest.raises(ValueError, match="sum to at most 1"):
+        dflash_loss(hidden, weight, labels, valid, 4.0, soft=soft, distill_weight=0.6,
+                    rank_weight=0.5)  # fmt: skip
+    with pytest.raises(ValueError, match="rank_k 30 is not in"):
+        dflash_loss(hidden, weight, labels, valid, 4.0, rank_weight=0.1, rank_k=V)

@@ -12,7 +12,7 @@ from conftest import write_yaml
 
 from dflashpipe.config import Config
 from dflashpipe.data import Sample, split_validation
-from dflashpipe.errors import DataError
+from dflashpipe.errors import ConfigError, DataError
 from dflashpipe.export import load_drafter
 from dflashpipe.launcher import launch
 from dflashpipe.train import Trainer
@@ -116,8 +116,6 @@ def test_extra_features_are_trained_on_but_never_held_out(tmp_path, tiny_feature
 
 
 def test_adamw_betas_come_from_the_config(tmp_path, tiny_features):
-    from dflashpipe.errors import ConfigError
-
     raw = json.loads(json.dumps(tiny_features["raw"]))
     raw["train"].pop("betas", None)
     assert Config.from_dict(raw).section("train")["betas"] == [0.9, 0.95]  # the default
@@ -163,6 +161,41 @@ def test_train_distills_the_targets_top_k(tmp_path, tiny_topk_features, tiny_fea
         DataError, match=r"shard-00000\.arrow has no soft targets .*extract\.topk 8"
     ):
         index_samples(tiny_features["shards"], trainer.tokens, {}, topk=8)
+
+
+def test_train_with_the_ranking_term(tmp_path, tiny_features):
+    """train.rank_weight 0.3 (issue 24's tree-aware term): the stage's entry point trains and
+    exports; a batch's loss is 0.7 x its cross-entropy + 0.3 x its ranking term, which is > 0;
+    the term's shares beside distill_weight are checked at config time."""
+    from dflashpipe.data import PackedBatches, epoch_plan
+    from dflashpipe.train import forward_loss, main
+
+    raw = json.loads(json.dumps(tiny_features["raw"]))
+    raw["train"].update(rank_weight=0.3, rank_k=4, max_steps=3, log_every=1)
+    config = write_yaml(tmp_path / "rank.yaml", raw)
+    out = tmp_path / "rank"
+    main(["--config", str(config), "--manifest", str(tiny_features["manifest"]), "--run-dir",
+          str(out / "run"), "--drafter", str(out / "drafter"), "--metrics",
+          str(out / "metrics.jsonl")])  # fmt: skip
+    assert [r["step"] for r in _rows(out / "metrics.jsonl")] == [1, 2, 3]
+    assert (out / "drafter" / "model.safetensors").is_file()
+    trainer = Trainer(Config.from_dict(raw), tiny_features["manifest"], tmp_path / "fresh",
+                      torch.device("cpu"))  # fmt: skip
+    assert trainer.fingerprint["rank"] == [0.3, 4]  # another objective: not a run to resume
+    plan = epoch_plan(trainer.samples, trainer.tokens, 0, 0, 0, 1)
+    batch = PackedBatches(trainer.shards, trainer.samples, plan, trainer.tokens, 16, 0, 0)[0]
+    with torch.no_grad():
+        ce, rank, mixed = (
+            forward_loss(trainer.model, trainer.head, batch, 8, trainer.gamma, 0.0, (r, 4))[0]
+            for r in (0.0, 1.0, 0.3)
+        )
+    assert rank.item() > 0 and abs(rank.item() - ce.item()) > 0.1
+    assert mixed.item() == pytest.approx(0.7 * ce.item() + 0.3 * rank.item(), rel=1e-5)
+    raw["train"].update(distill_weight=0.8)
+    with pytest.raises(
+        ConfigError, match=r"distill_weight 0\.8 \+ train\.rank_weight 0\.3 is over 1"
+    ):
+        Config.from_dict(raw)
 
 
 def test_two_processes(tmp_path, tiny_features):

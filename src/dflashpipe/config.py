@@ -285,11 +285,18 @@ class TrainConfig:
     cpu_processes: int
     nodes: int
     distill_weight: float  # share of the soft-target (top-k KL) term; 0: the hard loss alone
+    rank_weight: float  # share of the ranking term (label among the rank_k most likely); 0: none
+    rank_k: int
 
     def __post_init__(self) -> None:
         if not 0 <= self.distill_weight <= 1:
             raise ConfigError(
                 f"train.distill_weight is {self.distill_weight}; expected a share in [0, 1]"
+            )
+        if self.distill_weight + self.rank_weight > 1:
+            raise ConfigError(
+                f"train.distill_weight {self.distill_weight} + train.rank_weight "
+                f"{self.rank_weight} is over 1: cross-entropy takes what they leave"
             )
 
 

@@ -10,6 +10,11 @@ d KL(p || q): p the target's distribution over x_{a+k} (its top-k from extract, 
 those k ids; the target predicted x_{a+k} at position a+k-1), q the drafter's softmax over the
 whole vocabulary. Same slot weights, same valid labels.
 
+With a ranking term (train.rank_weight = r > 0; issue 24's tree-aware lever) a slot also pays
+r softplus(z_c - z_label), z the drafter's logits and c the train.rank_k-th most likely token other
+than the label: small once the label is among the rank_k tokens DDTree's tree search takes from
+the slot (evaluate.tree_top_k), large while it is not; cross-entropy keeps the rest of the share.
+
 The LM head is the target's (vocabularies of 150k+), so full float32 logits for a whole batch
 would be gigabytes. The head and the cross-entropy run together over chunks of rows; each chunk
 writes its loss and its gradient with respect to the hidden states at once (the head is frozen,
@@ -91,13 +96,17 @@ def dflash_loss(
     compile: bool | None = None,
     soft: tuple[Tensor, Tensor] | None = None,
     distill_weight: float = 0.0,
+    rank_weight: float = 0.0,
+    rank_k: int = 8,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Weighted CE (mixed with the soft-target KL) of the drafter's block outputs, and metrics as
     tensors (no host sync).
 
     hidden (A, B, H) from the drafter; lm_head_weight (V, H) frozen; labels, valid (A, B);
     soft: (A, B, k) top-k ids and log-probs from block_soft_targets, needed when distill_weight
-    (the KL's share, in [0, 1]) is > 0. Returns the scalar float32 loss and {"slot_accuracy":
+    (the KL's share, in [0, 1]) is > 0. rank_weight: the share of the ranking term (the label
+    among the drafter's rank_k most likely tokens: softplus(the rank_k-th largest other logit -
+    the label's)); cross-entropy takes 1 - distill_weight - rank_weight. Returns the scalar float32 loss and {"slot_accuracy":
     (B-1,), "acceptance_length": (), "slot_labels": (B-1,) valid-label counts}. compile:
     default on CUDA.
     """
@@ -105,6 +114,13 @@ def dflash_loss(
         raise ValueError("lm_head_weight requires grad; the target's LM head must stay frozen")
     if not 0 <= distill_weight <= 1:
         raise ValueError(f"distill_weight {distill_weight} is not a share in [0, 1]")
+    if not 0 <= rank_weight <= 1 - distill_weight:
+        raise ValueError(
+            f"rank_weight {rank_weight} with distill_weight {distill_weight}: the shares must "
+            "be >= 0 and sum to at most 1"
+        )
+    if rank_weight and not 1 <= rank_k < lm_head_weight.shape[0]:
+        raise ValueError(f"rank_k {rank_k} is not in [1, vocabulary {lm_head_weight.shape[0]})")
     if distill_weight and soft is None:
         raise ValueError(f"distill_weight {distill_weight} needs the soft targets (soft=)")
     A, B, H = hidden.shape
@@ -116,9 +132,10 @@ def dflash_loss(
         soft_ids = soft[0][:, 1:].flatten(0, 1).long()  # (A*(B-1), k)
         soft_logprobs = soft[1][:, 1:].flatten(0, 1).float()  # (A*(B-1), k)
     compile = hidden.is_cuda if compile is None else compile
+    mix = (float(distill_weight), float(rank_weight), int(rank_k))
     loss, correct = _LinearCrossEntropy.apply(
         rows, lm_head_weight, labels[:, 1:].flatten(), row_weights, chunk_rows, compile,
-        soft_ids, soft_logprobs, float(distill_weight),
+        soft_ids, soft_logprobs, mix,
     )  # fmt: skip
     return loss, slot_metrics(correct.view(A, B - 1), valid[:, 1:])
 
@@ -139,13 +156,14 @@ def slot_metrics(correct: Tensor, valid: Tensor) -> dict[str, Tensor]:
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
-    """sum_i row_weight_i * [(1 - d) CE(z_i, label_i) + d KL(p_i || softmax(z_i))], z_i = rows_i @
-    W^T, chunked; grad only for the rows. d = distill_weight; p_i = softmax(soft_logprobs_i) on
-    soft_ids_i (nothing elsewhere)."""
+    """sum_i row_weight_i * [(1 - d - r) CE(z_i, label_i) + d KL(p_i || softmax(z_i)) + r
+    softplus(z_i[c_i] - z_i[label_i])], z_i = rows_i @ W^T, chunked; grad only for the rows.
+    mix = (d, r, k): distill and rank weights, rank k; p_i = softmax(soft_logprobs_i) on
+    soft_ids_i (nothing elsewhere); c_i the k-th most likely token other than the label."""
 
     @staticmethod
     def forward(ctx, rows, weight, labels, row_weights, chunk_rows, compile, soft_ids,
-                soft_logprobs, distill_weight):  # fmt: skip
+                soft_logprobs, mix):  # fmt: skip
         need_grad = ctx.needs_input_grad[0]
         N = rows.shape[0]
         # Equal chunks: one compiled shape for every chunk. Rows come in a fixed count per step,
@@ -159,7 +177,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         soft = () if soft_ids is None else (
             F.pad(soft_ids, (0, 0, 0, pad)), F.pad(soft_logprobs, (0, 0, 0, pad))
         )  # fmt: skip
-        kernel = _chunk_kernel(need_grad, compile, distill_weight)
+        kernel = _chunk_kernel(need_grad, compile, mix)
         loss = torch.zeros((), device=rows.device, dtype=torch.float32)
         correct = torch.empty(N + pad, device=rows.device, dtype=torch.bool)
         grad = torch.empty_like(rows_p) if need_grad else None
@@ -183,39 +201,51 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
 def _chunk_loss(
     rows: Tensor, weight: Tensor, labels: Tensor, row_weights: Tensor, need_grad: bool,
-    distill_weight: float = 0.0, soft_ids: Tensor | None = None,
+    mix: tuple[float, float, int] = (0.0, 0.0, 8), soft_ids: Tensor | None = None,
     soft_logprobs: Tensor | None = None,
 ):  # fmt: skip
+    distill_weight, rank_weight, rank_k = mix
+    hard = 1 - distill_weight - rank_weight
     logits = (rows @ weight.T).float()  # (c, V)
     lse = logits.logsumexp(-1)  # (c,)
     picked = logits.gather(1, labels[:, None])[:, 0]  # (c,)
-    per_row = lse - picked  # (c,) CE
+    per_row = hard * (lse - picked)  # (c,) CE
     if distill_weight:
         log_p = soft_logprobs.log_softmax(-1)  # (c, k) the target's top-k, renormalized
         p = log_p.exp()
         log_q = logits.gather(1, soft_ids) - lse[:, None]  # (c, k) the drafter's, same ids
-        kl = (p * (log_p - log_q)).sum(-1)  # (c,)
-        per_row = (1 - distill_weight) * per_row + distill_weight * kl
+        per_row = per_row + distill_weight * (p * (log_p - log_q)).sum(-1)  # KL
+    if rank_weight:
+        # The label ranks among the k most likely iff it beats the k-th most likely other token.
+        others = logits.scatter(1, labels[:, None], float("-inf"))
+        kth, kth_ids = others.topk(rank_k, -1)  # (c, k)
+        margin = kth[:, -1] - picked  # (c,)
+        per_row = per_row + rank_weight * F.softplus(margin)
     loss = (per_row * row_weights).sum()
     correct = logits.argmax(-1) == labels
     if not need_grad:
         return loss, correct, None
     # d CE / d logits = softmax - onehot(label); d KL / d logits = softmax - p on the k ids
-    # (p sums to 1); mixed: softmax - (1 - d) onehot - d p, scaled by the row's weight.
-    dlogits = torch.exp(logits - lse[:, None])  # (c, V)
-    dlogits.scatter_add_(1, labels[:, None], torch.full_like(picked, distill_weight - 1)[:, None])
+    # (p sums to 1); d rank / d logits = sigmoid(margin) (onehot(c) - onehot(label)). Mixed:
+    # (1 - r) softmax - (1 - d - r) onehot - d p + r sigmoid (onehot(c) - onehot(label)).
+    dlogits = torch.exp(logits - lse[:, None]) * (1 - rank_weight)  # (c, V)
+    dlogits.scatter_add_(1, labels[:, None], torch.full_like(picked, -hard)[:, None])
     if distill_weight:
         dlogits.scatter_add_(1, soft_ids, -distill_weight * p)
+    if rank_weight:
+        push = rank_weight * torch.sigmoid(margin)[:, None]  # (c, 1)
+        dlogits.scatter_add_(1, kth_ids[:, -1:], push)
+        dlogits.scatter_add_(1, labels[:, None], -push)
     dlogits = dlogits * row_weights[:, None]
     return loss, correct, dlogits.to(rows.dtype) @ weight  # (c, H)
 
 
-def _chunk_kernel(need_grad: bool, compile: bool, distill_weight: float = 0.0) -> Callable:
-    key = (need_grad, compile, distill_weight)
+def _chunk_kernel(need_grad: bool, compile: bool, mix: tuple[float, float, int]) -> Callable:
+    key = (need_grad, compile, mix)
     if key not in _CHUNK_KERNELS:
 
         def kernel(rows, weight, labels, row_weights, *soft):
-            return _chunk_loss(rows, weight, labels, row_weights, need_grad, distill_weight, *soft)
+            return _chunk_loss(rows, weight, labels, row_weights, need_grad, mix, *soft)
 
         # Compiled, softmax, the one-hot subtraction and the weighting fuse into the logits'
         # epilogue instead of each writing a (chunk, V) float32 tensor.

@@ -141,11 +141,12 @@ def compute_head(drafter: Drafter, device: torch.device) -> torch.Tensor:
 
 def forward_loss(
     model: torch.nn.Module, head: torch.Tensor, b: dict, block_size: int, gamma: float,
-    distill_weight: float = 0.0,
+    distill_weight: float = 0.0, rank: tuple[float, int] = (0.0, 8),
 ) -> tuple[torch.Tensor, dict]:  # fmt: skip
     """One micro-batch's DFlash loss and metrics (tensors, no host sync): drafter forward under
     bf16 autocast on GPU, labels (and soft targets), chunked weighted CE (mixed with the KL to
-    the target's top-k) against the frozen head."""
+    the target's top-k, and the ranking term: rank = (train.rank_weight, train.rank_k)) against
+    the frozen head."""
     cuda = b["input_ids"].is_cuda
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
         out = model(b["input_ids"], b["target_hidden"], b["position_ids"], b["document_ids"],
@@ -156,7 +157,7 @@ def forward_loss(
     if distill_weight:
         soft = block_soft_targets(b["topk_ids"], b["topk_logprobs"], b["anchors"], block_size)
     return dflash_loss(out.to(head.dtype), head, labels, valid, gamma, soft=soft,
-                       distill_weight=distill_weight)  # fmt: skip
+                       distill_weight=distill_weight, rank_weight=rank[0], rank_k=rank[1])  # fmt: skip
 
 
 class Trainer:
@@ -251,6 +252,7 @@ class Trainer:
         else:
             self.model = drafter
         self.gamma = self.tc.gamma or default_gamma(self.dcfg.block_size)
+        self.rank_term = (self.tc.rank_weight, self.tc.rank_k)  # loss.dflash_loss's ranking term
         self.fingerprint = {f"drafter.{k}": v for k, v in vars(self.dcfg).items()}
         self.fingerprint.update(
             world=self.world, micro_batch_tokens=self.tokens, num_anchors=self.tc.num_anchors
@@ -261,6 +263,8 @@ class Trainer:
             self.fingerprint["extra_features"] = list(self.tc.extra_features)
         if self.tc.distill_weight:  # another objective (and data read): not a run to resume
             self.fingerprint["distill_weight"] = self.tc.distill_weight
+        if self.tc.rank_weight:  # another objective
+            self.fingerprint["rank"] = [self.tc.rank_weight, self.tc.rank_k]
         if self.fsdp:  # its checkpoints key the optimizer state by name, DDP's by position
             self.fingerprint["parallel"] = "fsdp"
 
@@ -341,7 +345,7 @@ class Trainer:
             ctx = self.model.no_sync() if (self.world > 1 and not sync) else nullcontext()
         with ctx:
             loss, metrics = forward_loss(self.model, self.head, b, self.dcfg.block_size, self.gamma,
-                                         self.tc.distill_weight)  # fmt: skip
+                                         self.tc.distill_weight, self.rank_term)  # fmt: skip
             (loss / self.accum).backward()
         anchors_pos = torch.where(b["keep"], b["position_ids"][b["anchors"]], -1)
         metrics["flops"] = step_flops(
@@ -405,7 +409,8 @@ class Trainer:
         vec = torch.zeros(2 * B - 1, device=self.device)  # loss sum, correct (B-1), labels (B-1)
         for batch in make_loader(data, 0, workers=0, pin=False):
             b = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
-            loss, m = forward_loss(self.model, self.head, b, B, self.gamma, self.tc.distill_weight)
+            loss, m = forward_loss(self.model, self.head, b, B, self.gamma, self.tc.distill_weight,
+                                   self.rank_term)  # fmt: skip
             vec += torch.cat([loss.detach()[None], m["slot_accuracy"] * m["slot_labels"],
                               m["slot_labels"]])  # fmt: skip
         if self.world > 1:
