@@ -275,6 +275,9 @@ def row(work: Path) -> dict | None:
     ev = ev or {"per_source": {}, "baseline": {"prompt_lookup": {}}}
     lookup = ev["baseline"]["prompt_lookup"]
     totals = manifest.get("totals", {})
+    trees = ev.get("ddtree") or {}  # per node budget; the row shows the fastest
+    fastest = max(trees, key=lambda n: trees[n]["speedup"] or 0, default=None)
+    tree = trees.get(fastest, {})
     return {
         "variant": work.name.removeprefix("quality-"),
         "tau": ev["per_source"],
@@ -286,6 +289,9 @@ def row(work: Path) -> dict | None:
         "bf16_agreement": ev.get("bf16_agreement"),
         "speedup": ev.get("speedup"),
         "lookup_speedup": lookup.get("speedup"),
+        "ddtree_nodes": fastest,
+        "ddtree_tau": tree.get("acceptance_length"),
+        "ddtree_speedup": tree.get("speedup"),
         "expected_tau": last.get("expected_acceptance"),
         "held_out_expected_tau": last.get("val_expected_acceptance"),
         "steps": last.get("step"),
@@ -299,7 +305,7 @@ def table(rows: list[dict]) -> str:
     sources = sorted({s for r in rows for s in r["tau"]})
     head = ["variant", *(f"tau {s}" for s in sources), *(f"lookup {s}" for s in sources),
             *(f"ahead of lookup {s}" for s in sources), "tau all", "lookup all", "lossless", "bf16 agree", "speedup", "lookup speedup",
-            "expected tau", "held-out expected tau", "steps", "codec", "bytes/token"]  # fmt: skip
+            "ddtree nodes", "ddtree tau", "ddtree speedup", "expected tau", "held-out expected tau", "steps", "codec", "bytes/token"]  # fmt: skip
 
     def f(x, spec=".3f"):
         return "-" if x is None else format(x, spec) if isinstance(x, float) else str(x)
@@ -314,7 +320,8 @@ def table(rows: list[dict]) -> str:
                  *(f(r["lookup_tau"].get(s)) for s in sources),
                  *(ahead(r, s) for s in sources), f(r["tau_all"]),
                  f(r["lookup_all"]), f(r["lossless"]), f(r["bf16_agreement"], ".2f"),
-                 f(r["speedup"], ".2f"), f(r["lookup_speedup"], ".2f"), f(r["expected_tau"]),
+                 f(r["speedup"], ".2f"), f(r["lookup_speedup"], ".2f"), f(r.get("ddtree_nodes")),
+                 f(r.get("ddtree_tau")), f(r.get("ddtree_speedup"), ".2f"), f(r["expected_tau"]),
                  f(r.get("held_out_expected_tau")), f(r["steps"]), f(r["codec"]),
                  f(r["bytes_per_token"], ",.0f")]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")

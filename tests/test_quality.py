@@ -82,9 +82,11 @@ def test_quality_driver_main_and_variants(tmp_path, smollm2_dir, tiny_target_dir
         assert r["lossless"] == 1.0 and set(r["tau"]) == {"sharegpt", "humaneval"}
         assert set(r["lookup_tau"]) == {"sharegpt", "humaneval"} and r["bytes_per_token"] > 0
         assert r["ahead"] and all(sum(c.values()) > 0 for c in r["ahead"].values())
+        assert r["ddtree_nodes"] == "4" and r["ddtree_tau"] >= 1 and r["ddtree_speedup"] > 0
     assert rows["main"]["bytes_per_token"] < rows["bf16"]["bytes_per_token"]  # main is fp8
     assert "| bf16 |" in done.stdout and "| main |" in done.stdout
     assert "| ahead of lookup humaneval | ahead of lookup sharegpt |" in done.stdout
+    assert "| ddtree nodes | ddtree tau | ddtree speedup |" in done.stdout
     assert "extract/shard-00000" in done.stdout  # per-job times from the benchmark files
     with tarfile.open(tmp_path / "logs.tar.gz") as tar:  # the small files, no shards or weights
         names = set(tar.getnames())
