@@ -107,10 +107,31 @@ def reference_taps(model, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         taps.remove()
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen3"])
+def biased(name: str):
+    """Targets whose projections carry biases (Qwen2's q/k/v; Llama with attention_bias and
+    mlp_bias), so the fused q/k/v and gate/up linears must carry them too."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    if name == "qwen2":
+        return tiny(Qwen2Config, Qwen2ForCausalLM)
+    return tiny(LlamaConfig, LlamaForCausalLM, attention_bias=True, mlp_bias=True)
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3", "qwen2", "llama-biased"])
 def test_static_target_matches_the_hf_forward(request, name):
-    model = request.getfixturevalue(name)
+    model = request.getfixturevalue(name) if name in ("llama", "qwen3") else biased(name)
     target = StaticTarget(model, 32, TAPS)
+    first = model.model.layers[0]
+    qkv, qkv_bias, gate_up, _ = target.fused[0]
+
+    # the modules' weights are views of the fused ones: no second copy of the model
+    def storage(t):
+        return t.untyped_storage().data_ptr()
+
+    attn = first.self_attn
+    assert {storage(attn.q_proj.weight), storage(attn.k_proj.weight)} == {storage(qkv)}
+    assert storage(first.mlp.up_proj.weight) == storage(gate_up)
+    assert (qkv_bias is not None) == (name in ("qwen2", "llama-biased"))
     ids = PROMPTS[1] + [3, 9, 27]
     ref_logits, ref_taps = reference_taps(model, ids)
     P = len(PROMPTS[1])

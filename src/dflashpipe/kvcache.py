@@ -16,6 +16,12 @@ Compilation (`compile=True`, the engine's default on CUDA): the per-layer functi
 per step shape, shared by every layer (their weights are arguments); a prefill passes
 `eager=True` and runs them uncompiled, since its length changes per prompt. Inside a compiled
 function `attend_cache` takes plain ops the compiler fuses instead of SDPA's kernel.
+
+Fused projections (both models, as serving engines run them): each layer's q/k/v_proj is one
+matmul and gate/up_proj another (`fuse_layer`; the modules' weights become views of the fused
+ones), and the drafter's context rows take every layer's k/v in one matmul (`context_rows`).
+A faster target step is also the honest baseline: speculative methods look better against a
+target step padded with launches they amortize.
 """
 
 from __future__ import annotations
@@ -67,19 +73,60 @@ def attend_cache(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float | N
     return y.reshape(1, Hq, Q, D)  # (1, Hkv, g*Q, D) -> heads; kernels may return it transposed
 
 
+Fused = tuple[Tensor, Tensor | None, Tensor, Tensor | None]  # q/k/v, gate/up: weight, bias
+
+
+def fuse_layer(layer: nn.Module) -> Fused:
+    """A decoder layer's q/k/v_proj as one linear and its gate/up_proj as another, as serving
+    engines run them: (qkv weight, bias, gate_up weight, bias). The modules' own weights (and
+    biases) become views of these, so no second copy of the model is kept; a later `.float()`
+    or `.to()` of the model gives it new tensors, so fuse again after one, and save the model
+    before (safetensors refuses tensors that share storage)."""
+    attn, mlp = layer.self_attn, layer.mlp
+    return (*_fuse([attn.q_proj, attn.k_proj, attn.v_proj]), *_fuse([mlp.gate_proj, mlp.up_proj]))
+
+
+def _fuse(linears: Sequence[nn.Linear]) -> tuple[Tensor, Tensor | None]:
+    biased = {lin.bias is not None for lin in linears}
+    if len(biased) > 1:
+        raise ValueError(f"cannot fuse linears where only some have a bias: {linears}")
+    weight = torch.cat([lin.weight.detach() for lin in linears])
+    bias = torch.cat([lin.bias.detach() for lin in linears]) if biased == {True} else None
+    start = 0
+    for lin in linears:
+        end = start + lin.out_features
+        lin.weight.data = weight[start:end]
+        if bias is not None:
+            lin.bias.data = bias[start:end]
+        start = end
+    return weight, bias
+
+
+def _qkv(attn: nn.Module, h: Tensor, fused: Fused) -> tuple[Tensor, Tensor, Tensor]:
+    """q (Q, Hq, D), k and v (Q, Hkv, D) of rows h (Q, H) in one matmul."""
+    Q, D = h.shape[0], attn.head_dim
+    sizes = [attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features]
+    q, k, v = F.linear(h, fused[0], fused[1]).split(sizes, -1)
+    return q.view(Q, -1, D), k.view(Q, -1, D), v.view(Q, -1, D)
+
+
+def _mlp(mlp: nn.Module, x: Tensor, fused: Fused) -> Tensor:
+    """down(act(gate(x)) * up(x)) with gate and up in one matmul."""
+    gate, up = F.linear(x, fused[2], fused[3]).chunk(2, -1)
+    return mlp.down_proj(mlp.act_fn(gate) * up)
+
+
 def target_layer(
     layer: nn.Module, x: Tensor, k_cache: Tensor, v_cache: Tensor, cos: Tensor, sin: Tensor,
-    slots: Tensor, mask: Tensor,
+    slots: Tensor, mask: Tensor, fused: Fused,
 ) -> Tensor:  # fmt: skip
     """One HF Llama-family decoder layer over Q rows x (Q, H) at RoPE rows cos/sin (Q, D): its
     new K/V written into `slots` of the static buffers (1, Hkv, L, D), attention over them under
-    the folded mask (`fold_mask`)."""
+    the folded mask (`fold_mask`); q/k/v and gate/up as one matmul each (`fuse_layer`)."""
     attn = layer.self_attn
     h = layer.input_layernorm(x)
-    Q, D = h.shape[0], attn.head_dim
-    q = attn.q_proj(h).view(Q, -1, D)  # (Q, Hq, D)
-    k = attn.k_proj(h).view(Q, -1, D)  # (Q, Hkv, D)
-    v = attn.v_proj(h).view(Q, -1, D)  # (Q, Hkv, D)
+    Q = h.shape[0]
+    q, k, v = _qkv(attn, h, fused)
     if hasattr(attn, "q_norm"):  # Qwen3: per-head RMSNorm before RoPE
         q, k = attn.q_norm(q), attn.k_norm(k)
     q = apply_rope(q.transpose(0, 1)[None], cos, sin)  # (1, Hq, Q, D)
@@ -87,40 +134,27 @@ def target_layer(
     v_cache.index_copy_(2, slots, v.transpose(0, 1)[None])
     y = attend_cache(q, k_cache, v_cache, mask, attn.scaling)  # (1, Hq, Q, D)
     x = x + attn.o_proj(y[0].transpose(0, 1).reshape(Q, -1))
-    return x + layer.mlp(layer.post_attention_layernorm(x))
+    return x + _mlp(layer.mlp, layer.post_attention_layernorm(x), fused)
 
 
 def drafter_layer(
     layer: nn.Module, x: Tensor, k_cache: Tensor, v_cache: Tensor, cos: Tensor, sin: Tensor,
-    slots: Tensor, mask: Tensor, qkv: Tensor, gate_up: Tensor,
+    slots: Tensor, mask: Tensor, fused: Fused,
 ) -> Tensor:  # fmt: skip
     """One DFlash drafter layer over a block x (B, H): the block's K/V written into `slots`,
-    attention over context + block (the mask of its sliding window, folded). q/k/v and gate/up
-    run as one matmul each, with the layer's weights stacked once (`stacked_layer_weights`)."""
-    attn, mlp = layer.self_attn, layer.mlp
+    attention over context + block (the mask of its sliding window, folded); q/k/v and gate/up
+    as one matmul each (`fuse_layer`)."""
+    attn = layer.self_attn
     h = layer.input_layernorm(x)
-    B, D = h.shape[0], attn.head_dim
-    Hq, Hkv = attn.q_proj.out_features, attn.k_proj.out_features
-    q, k, v = (h @ qkv.T).split([Hq, Hkv, Hkv], -1)
-    q = attn.q_norm(q.view(B, -1, D))  # (B, Hq, D)
-    k = attn.k_norm(k.view(B, -1, D))  # (B, Hkv, D)
-    v = v.view(B, -1, D)  # (B, Hkv, D)
+    B = h.shape[0]
+    q, k, v = _qkv(attn, h, fused)
+    q, k = attn.q_norm(q), attn.k_norm(k)  # (B, Hq, D), (B, Hkv, D)
     q = apply_rope(q.transpose(0, 1)[None], cos, sin)  # (1, Hq, B, D)
     k_cache.index_copy_(2, slots, apply_rope(k.transpose(0, 1)[None], cos, sin))
     v_cache.index_copy_(2, slots, v.transpose(0, 1)[None])
     y = attend_cache(q, k_cache, v_cache, mask, None)  # (1, Hq, B, D)
     x = x + attn.o_proj(y[0].transpose(0, 1).reshape(B, -1))
-    gate, up = (layer.post_attention_layernorm(x) @ gate_up.T).chunk(2, -1)
-    return x + mlp.down_proj(mlp.act_fn(gate) * up)
-
-
-def stacked_layer_weights(layer: nn.Module) -> tuple[Tensor, Tensor]:
-    """What `drafter_layer` takes beside the layer, copied once: q/k/v_proj weights stacked into
-    one (Hq*D + 2*Hkv*D, H) matrix and gate/up_proj into one (2*I, H)."""
-    attn, mlp = layer.self_attn, layer.mlp
-    qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight])
-    gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight])
-    return qkv.detach().clone(), gate_up.detach().clone()
+    return x + _mlp(layer.mlp, layer.post_attention_layernorm(x), fused)
 
 
 def context_rows(
@@ -148,8 +182,8 @@ def context_rows(
 def stacked_context_weights(drafter: Drafter) -> tuple[Tensor, Tensor]:
     """What `context_rows` takes, copied once from the drafter's layers: every layer's k_proj
     then every layer's v_proj weight as one (2n*Hkv*D, H) matrix, and the k_norm weights (n, D).
-    Copies (here and in `stacked_layer_weights`): build the StaticDrafter after the drafter's
-    weights are final."""
+    A copy (each layer's own k/v rows are views of its `fuse_layer` stack): build the
+    StaticDrafter after the drafter's weights are final."""
     attns = [layer.self_attn for layer in drafter.layers]
     weight = torch.cat([a.k_proj.weight for a in attns] + [a.v_proj.weight for a in attns])
     return weight.detach().clone(), torch.stack([a.k_norm.weight for a in attns]).detach().clone()
@@ -219,6 +253,7 @@ class StaticTarget:
         n = len(self.base.layers)
         self.kv = torch.zeros((2 * n, *shape), dtype=weight.dtype, device=weight.device)
         self.k, self.v = list(self.kv[:n]), list(self.kv[n:])  # per-layer views
+        self.fused = [fuse_layer(layer) for layer in self.base.layers]
         self.cols = torch.arange(self.capacity, device=self.device)  # (L,)
         with torch.no_grad():
             # The model's own rotary embedding over every slot once: per position the same
@@ -258,7 +293,7 @@ class StaticTarget:
         run = target_layer if eager else self.layer
         tapped = {}
         for i, layer in enumerate(self.base.layers):
-            x = run(layer, x, self.k[i], self.v[i], cos, sin, slots, mask)
+            x = run(layer, x, self.k[i], self.v[i], cos, sin, slots, mask, self.fused[i])
             if i in self.layer_ids:
                 tapped[i] = x
         if last_only:
@@ -302,7 +337,7 @@ class StaticDrafter:
         self.kv = torch.zeros((2 * n, *shape), dtype=weight.dtype, device=weight.device)
         self.k, self.v = list(self.kv[:n]), list(self.kv[n:])  # per-layer views
         self.context_weight, self.k_norm = stacked_context_weights(drafter)
-        self.layer_weights = [stacked_layer_weights(layer) for layer in drafter.layers]
+        self.fused = [fuse_layer(layer) for layer in drafter.layers]
         self.cols = torch.arange(self.capacity, device=self.device)  # (L,)
         self.offsets = torch.arange(cfg.block_size, device=self.device)  # (B,)
         self.masks_ids = torch.full(
@@ -353,8 +388,7 @@ class StaticDrafter:
         masks = self.masks(length)
         for i, layer in enumerate(d.layers):
             mask = masks[layer.self_attn.sliding_window]
-            qkv, gate_up = self.layer_weights[i]
-            x = self.layer(layer, x, self.k[i], self.v[i], cos, sin, slots, mask, qkv, gate_up)
+            x = self.layer(layer, x, self.k[i], self.v[i], cos, sin, slots, mask, self.fused[i])
         return d.norm(x)
 
     @torch.no_grad()
