@@ -203,7 +203,10 @@ def load_models(target_cfg: TargetConfig, drafter_dir: str | Path, device: torch
     return model, tok, drafter.to(model.dtype).eval()
 
 
-Responses = tuple[dict[str, list[Decoded]], dict[str, list[Decoded]], dict]
+# timed responses per method, float32 ones, the engine used, prompt lookup's sweep replays
+Responses = tuple[
+    dict[str, list[Decoded]], dict[str, list[Decoded]], dict, dict[str, list[Decoded]]
+]
 
 
 def decode_and_check(
@@ -211,7 +214,8 @@ def decode_and_check(
     worker: str = "",
 ) -> Responses:  # fmt: skip
     """(timed responses per method in the run dtype, float32 responses of target-only, DFlash
-    and DDTree per budget, the engine used: Decoders.info())."""
+    and DDTree per budget, the engine used: Decoders.info(), the prompt-lookup sweep's replays
+    on the target-only outputs by configuration name, {} without one)."""
     n = ev.max_new_tokens
     max_len = max(len(ids) for _, ids in prompts) + n + ev.slack(drafter.config.block_size)
 
@@ -221,19 +225,23 @@ def decode_and_check(
             compile,
         )  # fmt: skip
 
-    timed = decoders(ev.methods)
+    timed, swept = decoders(ev.methods), {}
     try:
         main = timed.decode_all(prompts, n, stop_ids, f"evaluate{worker}")
         if "prompt_lookup" in main and ev.prompt_lookup_sweep:  # the baseline at its best
-            best = best_lookups(prompts, main["target"], n, stop_ids)
+            t0 = time.perf_counter()
+            outputs = [r.output_ids for r in main["target"]]
+            swept = sweep([ids for _, ids in prompts], outputs, n, stop_ids)
+            log.info("prompt lookup%s: %d configurations replayed on the target's outputs in "
+                     "%.1f s", worker, len(swept), time.perf_counter() - t0)  # fmt: skip
             main["prompt_lookup_best"] = timed.lookup_all(
-                prompts, best, n, stop_ids, f"prompt lookup, best{worker}"
+                prompts, best_lookups(prompts, swept), n, stop_ids, f"prompt lookup, best{worker}"
             )
     finally:
         timed.close()
     checked = [m for m in main if m == "target" or m == "dflash" or m.startswith("ddtree@")]
     if model.dtype == torch.float32:
-        return main, {m: main[m] for m in checked}, timed.info()
+        return main, {m: main[m] for m in checked}, timed.info(), swept
     # bf16 rounds a block forward and one-token forwards differently, so near-tied argmaxes
     # flip: losslessness is a float32 property, checked in float32 (a new engine: its buffers
     # and RoPE tables take the model's dtype; the bf16 one is dropped first). Its speed is not
@@ -244,20 +252,16 @@ def decode_and_check(
     drafter.float()
     fp32 = decoders([m for m in ev.methods if m != "prompt_lookup"])
     try:
-        return main, fp32.decode_all(prompts, n, stop_ids, f"float32{worker}"), info
+        return main, fp32.decode_all(prompts, n, stop_ids, f"float32{worker}"), info, swept
     finally:
         fp32.close()
 
 
 def best_lookups(
-    prompts: list[tuple[dict, list[int]]], target: list[Decoded], max_new_tokens: int,
-    stop_ids: set[int],
-) -> list[LookupConfig]:  # fmt: skip
+    prompts: list[tuple[dict, list[int]]], swept: dict[str, list[Decoded]]
+) -> list[LookupConfig]:
     """Per prompt, the prompt-lookup configuration of lookup.GRID with the highest tau on its
-    source, replayed on these target-only outputs."""
-    swept = sweep(
-        [ids for _, ids in prompts], [r.output_ids for r in target], max_new_tokens, stop_ids
-    )
+    source in the sweep's replays."""
     names = best_per_source(prompts, swept)
     grid = {c.name: c for c in GRID}
     return [grid[names[row["source"]]] for row, _ in prompts]
@@ -303,7 +307,8 @@ def decode_in_workers(
 
     main = {m: merged([p[0][m] for p in parts]) for m in parts[0][0]}
     lossless = {m: merged([p[1][m] for p in parts]) for m in parts[0][1]}
-    return main, lossless, parts[0][2]  # each process runs the same engine kind
+    swept = {c: merged([p[3][c] for p in parts]) for c in parts[0][3]}
+    return main, lossless, parts[0][2], swept  # each process runs the same engine kind
 
 
 def run_info(
@@ -363,18 +368,9 @@ def run(
     log.info("%d prompts on %s in %s, %d worker process(es) (skipped %s)", len(prompts), device,
              run_dtype, min(ev.workers, len(prompts)), dict(skipped))  # fmt: skip
     stop_ids = end_of_turn_ids(tok)
-    main, lossless, engine = decode_in_workers(
+    main, lossless, engine, swept = decode_in_workers(
         model, drafter, prompts, ev, stop_ids, target_cfg, drafter_dir
     )
-    swept = None
-    if "prompt_lookup" in main and ev.prompt_lookup_sweep:
-        t0 = time.perf_counter()
-        swept = sweep(
-            [ids for _, ids in prompts], [r.output_ids for r in main["target"]],
-            ev.max_new_tokens, stop_ids,
-        )  # fmt: skip
-        log.info("prompt lookup: %d configurations replayed on the target's outputs in %.1f s",
-                 len(swept), time.perf_counter() - t0)  # fmt: skip
     metrics = summarize(
         prompts,
         main,
@@ -383,7 +379,7 @@ def run(
         ev.lookup,
         reduced_precision=run_dtype != torch.float32,
         engine=engine,
-        lookup_sweep=swept,
+        lookup_sweep=swept or None,
     )
     metrics |= {"num_prompts": len(prompts), "skipped": dict(skipped), "settings": asdict(ev)}
     metrics |= run_info(target_cfg, drafter_dir, cfg, device, run_dtype)
