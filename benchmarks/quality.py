@@ -275,6 +275,15 @@ def row(work: Path) -> dict | None:
     ev = ev or {"per_source": {}, "baseline": {"prompt_lookup": {}}}
     lookup = ev["baseline"]["prompt_lookup"]
     totals = manifest.get("totals", {})
+    config = work / "results" / "config.resolved.yaml"
+    extra = []
+    if config.is_file():
+        import yaml
+
+        extra = (yaml.safe_load(config.read_text()).get("train") or {}).get("extra_features", [])
+    trained = [totals.get("tokens")] + [
+        ((_read(work / path) or {}).get("totals") or {}).get("tokens") for path in extra
+    ]  # fmt: skip
     trees = ev.get("ddtree") or {}  # per node budget; the row shows the fastest
     fastest = max(trees, key=lambda n: trees[n]["speedup"] or 0, default=None)
     tree = trees.get(fastest, {})
@@ -296,6 +305,8 @@ def row(work: Path) -> dict | None:
         "held_out_expected_tau": last.get("val_expected_acceptance"),
         "steps": last.get("step"),
         "codec": manifest.get("codec"),
+        # tokens of the feature sets trained on (own + train.extra_features): the data's size
+        "train_tokens": sum(trained) if None not in trained else None,
         "bytes_per_token": totals["bytes"] / totals["tokens"] if totals.get("tokens") else None,
         "num_prompts": ev.get("num_prompts"),
     }
@@ -305,7 +316,8 @@ def table(rows: list[dict]) -> str:
     sources = sorted({s for r in rows for s in r["tau"]})
     head = ["variant", *(f"tau {s}" for s in sources), *(f"lookup {s}" for s in sources),
             *(f"ahead of lookup {s}" for s in sources), "tau all", "lookup all", "lossless", "bf16 agree", "speedup", "lookup speedup",
-            "ddtree nodes", "ddtree tau", "ddtree speedup", "expected tau", "held-out expected tau", "steps", "codec", "bytes/token"]  # fmt: skip
+            "ddtree nodes", "ddtree tau", "ddtree speedup", "expected tau", "held-out expected tau", "steps", "codec", "bytes/token",
+            "tokens trained on"]  # fmt: skip
 
     def f(x, spec=".3f"):
         return "-" if x is None else format(x, spec) if isinstance(x, float) else str(x)
@@ -323,9 +335,38 @@ def table(rows: list[dict]) -> str:
                  f(r["speedup"], ".2f"), f(r["lookup_speedup"], ".2f"), f(r.get("ddtree_nodes")),
                  f(r.get("ddtree_tau")), f(r.get("ddtree_speedup"), ".2f"), f(r["expected_tau"]),
                  f(r.get("held_out_expected_tau")), f(r["steps"]), f(r["codec"]),
-                 f(r["bytes_per_token"], ",.0f")]  # fmt: skip
+                 f(r["bytes_per_token"], ",.0f"), f(r.get("train_tokens"), ",")]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def plot_scaling(rows: list[dict], dest: Path) -> None:
+    """Tau against the tokens trained on, one point per run (issue 24's data-scaling curve):
+    measured tau (all eval prompts) and held-out expected tau, each run named."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in rows if r.get("train_tokens")]
+    if not rows:
+        sys.exit("--plot: no run with its training data's size (a features manifest) yet")
+    rows = sorted(rows, key=lambda r: r["train_tokens"])
+    fig, ax = plt.subplots(figsize=(6, 4))
+    x = [r["train_tokens"] for r in rows]
+    for key, label, style in (("tau_all", "tau (measured)", "o-"),
+                              ("held_out_expected_tau", "held-out expected tau", "s--")):  # fmt: skip
+        pts = [(t, r[key]) for t, r in zip(x, rows, strict=True) if r.get(key) is not None]
+        if pts:
+            ax.plot(*zip(*pts, strict=True), style, label=label)
+    for t, r in zip(x, rows, strict=True):
+        y = r.get("tau_all") or r.get("held_out_expected_tau")
+        if y is not None:
+            ax.annotate(r["variant"], (t, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
+    ax.set(xscale="log", xlabel="tokens trained on (features)", ylabel="acceptance length tau")
+    ax.legend()
+    fig.savefig(dest, dpi=120, bbox_inches="tight")
+    plt.close(fig)
 
 
 def main() -> None:
@@ -349,6 +390,8 @@ def main() -> None:
                          "--table)")  # fmt: skip
     ap.add_argument("--restore", default=None,
                     help="restore each listed run's kept answers from here before it starts")  # fmt: skip
+    ap.add_argument("--plot", default=None,
+                    help="also plot tau against the tokens trained on per run (PNG)")  # fmt: skip
     args = ap.parse_args()
     deadline = time.monotonic() + (args.time_limit or float("inf"))
     rc = 0
@@ -368,6 +411,8 @@ def main() -> None:
         bundle(Path(args.runs), Path(args.bundle))
     if args.keep:
         keep(Path(args.runs), args.variants, Path(args.keep))
+    if args.plot:
+        plot_scaling(rows, Path(args.plot))
     print(table(rows) if rows else "no finished quality runs yet")
     sys.exit(rc)
 

@@ -74,6 +74,9 @@ def test_quality_driver_main_and_variants(tmp_path, smollm2_dir, tiny_target_dir
     extra = extra_samples(runs / "quality-code")
     code_samples = json.loads((code / "features" / "manifest.json").read_text())["totals"]
     assert extra == code_samples["samples"] > 0
+    own = json.loads((main / "features" / "manifest.json").read_text())["totals"]["tokens"]
+    assert rows["code"]["train_tokens"] == own + code_samples["tokens"]  # its data's size
+    assert rows["main"]["train_tokens"] == own
     report = (runs / "quality-code" / "results" / "report.md").read_text()
     assert (
         "- train.extra_features ../quality-code-answers/results/features/manifest.json: " in report
@@ -98,9 +101,11 @@ def test_quality_driver_main_and_variants(tmp_path, smollm2_dir, tiny_target_dir
     # Kept answers: main's prompts and sequences in parts, restored into a fresh run that then
     # starts after regenerate; refused when damaged or made with another regenerate section.
     kept = tmp_path / "kept"
+    plot = tmp_path / "scaling.png"
     keep = [sys.executable, str(REPO / "benchmarks" / "quality.py"), "main", "--runs", str(runs),
-            "--table", "--keep", str(kept)]  # fmt: skip
+            "--table", "--keep", str(kept), "--plot", str(plot)]  # fmt: skip
     assert subprocess.run(keep, capture_output=True, text=True, timeout=300).returncode == 0
+    assert plot.read_bytes()[:4] == b"\x89PNG"  # tau against the tokens trained on
     parts = sorted(kept.glob("answers-main-*.part-*"))
     assert parts, sorted(kept.iterdir())
     fresh = tmp_path / "fresh"
