@@ -276,14 +276,17 @@ def row(work: Path) -> dict | None:
     lookup = ev["baseline"]["prompt_lookup"]
     totals = manifest.get("totals", {})
     config = work / "results" / "config.resolved.yaml"
-    extra = []
+    train_cfg = {}
     if config.is_file():
         import yaml
 
-        extra = (yaml.safe_load(config.read_text()).get("train") or {}).get("extra_features", [])
+        train_cfg = yaml.safe_load(config.read_text()).get("train") or {}
     trained = [totals.get("tokens")] + [
-        ((_read(work / path) or {}).get("totals") or {}).get("tokens") for path in extra
+        ((_read(work / path) or {}).get("totals") or {}).get("tokens")
+        for path in train_cfg.get("extra_features", [])
     ]  # fmt: skip
+    fraction = train_cfg.get("sample_fraction", 1)  # a seeded share of the samples: its tokens
+    # are that share of the total, to within a percent at the recipe's ~30k samples
     trees = ev.get("ddtree") or {}  # per node budget; the row shows the fastest
     fastest = max(trees, key=lambda n: trees[n]["speedup"] or 0, default=None)
     tree = trees.get(fastest, {})
@@ -306,7 +309,7 @@ def row(work: Path) -> dict | None:
         "steps": last.get("step"),
         "codec": manifest.get("codec"),
         # tokens of the feature sets trained on (own + train.extra_features): the data's size
-        "train_tokens": sum(trained) if None not in trained else None,
+        "train_tokens": round(fraction * sum(trained)) if None not in trained else None,
         "bytes_per_token": totals["bytes"] / totals["tokens"] if totals.get("tokens") else None,
         "num_prompts": ev.get("num_prompts"),
     }

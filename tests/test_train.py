@@ -198,6 +198,27 @@ def test_train_with_the_ranking_term(tmp_path, tiny_features):
         Config.from_dict(raw)
 
 
+def test_sample_fraction_trains_on_a_seeded_share(tmp_path, tiny_features):
+    """train.sample_fraction 0.5: half the training samples, a subset of all of them and the
+    same one every time; the held-out samples do not change; another fingerprint."""
+    raw = json.loads(json.dumps(tiny_features["raw"]))
+    raw["train"].update(val_samples=4)
+    full = Trainer(Config.from_dict(raw), tiny_features["manifest"], tmp_path / "a",
+                   torch.device("cpu"))  # fmt: skip
+    raw["train"].update(sample_fraction=0.5)
+    half, again = (
+        Trainer(Config.from_dict(raw), tiny_features["manifest"], tmp_path / d, torch.device("cpu"))
+        for d in ("b", "c")
+    )
+    assert len(half.samples) == round(len(full.samples) / 2) > 0
+    assert all(s in full.samples for s in half.samples) and half.samples == again.samples
+    assert half.val_samples == full.val_samples
+    assert half.fingerprint["sample_fraction"] == 0.5 and "sample_fraction" not in full.fingerprint
+    raw["train"].update(sample_fraction=0)
+    with pytest.raises(ConfigError, match="sample_fraction"):
+        Config.from_dict(raw)
+
+
 def test_two_processes(tmp_path, tiny_features):
     args, out = _train(tmp_path, tiny_features, "ddp", cpu_processes=2, epochs=1, val_samples=8)
     launch(*args)

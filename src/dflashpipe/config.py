@@ -287,6 +287,7 @@ class TrainConfig:
     distill_weight: float  # share of the soft-target (top-k KL) term; 0: the hard loss alone
     rank_weight: float  # share of the ranking term (label among the rank_k most likely); 0: none
     rank_k: int
+    sample_fraction: float  # a seeded share of the training samples (data-scaling runs); 1: all
 
     def __post_init__(self) -> None:
         if not 0 <= self.distill_weight <= 1:

@@ -97,6 +97,16 @@ def split_validation(samples: list[Sample], n: int, seed: int) -> tuple[list[Sam
     return train, list(held.values())
 
 
+def subset(samples: list[Sample], fraction: float, seed: int) -> list[Sample]:
+    """A seeded choice of round(fraction x n) of the samples (at least one), in their order: the
+    same on every rank and run (train.sample_fraction, for a data-scaling curve)."""
+    if fraction >= 1:
+        return samples
+    keep = max(1, round(fraction * len(samples)))
+    chosen = sorted(random.Random(f"{seed}/subset").sample(range(len(samples)), keep))
+    return [samples[i] for i in chosen]
+
+
 def epoch_plan(
     samples: list[Sample], tokens: int, seed: int, epoch: int, rank: int, world: int
 ) -> list[list[int]]:

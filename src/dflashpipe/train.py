@@ -39,6 +39,7 @@ from dflashpipe.data import (
     index_samples,
     make_loader,
     split_validation,
+    subset,
 )
 from dflashpipe.errors import DataError
 from dflashpipe.export import save_drafter
@@ -186,9 +187,12 @@ class Trainer:
             # trained on, never held out: the held-out figures stay the own
             added = index_samples(self.shards[len(own) :], self.tokens, self.stats, self.topk)
             self.samples += [Sample(s.shard + len(own), s.row, s.length) for s in added]
+        available = len(self.samples)
+        self.samples = subset(self.samples, self.tc.sample_fraction, self.tc.seed)
         if self.rank == 0:
-            log.info("training on %d samples (%d of them from train.extra_features), %d held out",
-                     len(self.samples), len(added), len(self.val_samples))  # fmt: skip
+            log.info("training on %d samples (of %d: train.sample_fraction %g; %d available from "
+                     "train.extra_features), %d held out", len(self.samples), available,
+                     self.tc.sample_fraction, len(added), len(self.val_samples))  # fmt: skip
         if self.val_samples:
             try:
                 self._val_plan = epoch_plan(
@@ -263,6 +267,8 @@ class Trainer:
             self.fingerprint["extra_features"] = list(self.tc.extra_features)
         if self.tc.distill_weight:  # another objective (and data read): not a run to resume
             self.fingerprint["distill_weight"] = self.tc.distill_weight
+        if self.tc.sample_fraction < 1:  # other training data
+            self.fingerprint["sample_fraction"] = self.tc.sample_fraction
         if self.tc.rank_weight:  # another objective
             self.fingerprint["rank"] = [self.tc.rank_weight, self.tc.rank_k]
         if self.fsdp:  # its checkpoints key the optimizer state by name, DDP's by position
