@@ -8,14 +8,26 @@ never emit EOS, so every row generates exactly `--new-tokens` tokens.
     python benchmarks/regenerate.py --batch-sizes 256 512 --caches static --width 512 \
         --lengths-file lengths.json     # a real prompt table's token counts, every batch at 512
 
+    python benchmarks/regenerate.py --batch-sizes 512 1024 --caches static --width 512 \
+        --lengths-file benchmarks/smollm2-sharegpt-prompt-lengths.json \
+        --attns sdpa sdpa-gqa flex_attention   # attention kernels at the recipe's shapes
+
+benchmarks/smollm2-sharegpt-prompt-lengths.json: the token counts (chat template applied) of the
+22,880 prompts of configs/smollm2-sharegpt.yaml's train table that regenerate answers (<= 512
+tokens; mean 176), from the table rebuilt on 2026-12-04.
+
 Prints one table: generated tokens/s per batch size and per method, and the ratio to plain
-`generate()` at batch 1 measured in the same run.
+`generate()` at batch 1 measured in the same run. `--attns`: the target's attention
+implementation per row (the model rebuilt and compile caches reset for each); `sdpa-gqa` is SDPA
+with transformers' TRANSFORMERS_SDPA_FORCE_GQA=1: with a padding mask transformers otherwise
+repeats each KV head over its query heads (a copy per layer per step) on CUDA.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from pathlib import Path
 
@@ -27,8 +39,14 @@ from dflashpipe.regenerate import generate_batch
 HERE = Path(__file__).resolve().parent
 
 
-def build_model(device: torch.device) -> LlamaForCausalLM:
-    config = LlamaConfig(**json.loads((HERE / "smollm2-135m.json").read_text()))
+def build_model(device: torch.device, attn: str = "sdpa") -> LlamaForCausalLM:
+    """The SmolLM2 shape with `attn` ("sdpa-gqa": SDPA with GQA forced, see the docstring)."""
+    os.environ["TRANSFORMERS_SDPA_FORCE_GQA"] = "1" if attn == "sdpa-gqa" else "0"
+    torch._dynamo.reset()  # compiled decode steps of the previous model/attention go
+    config = LlamaConfig(
+        **json.loads((HERE / "smollm2-135m.json").read_text()),
+        attn_implementation=attn.removesuffix("-gqa"),
+    )
     torch.manual_seed(0)
     with torch.device(device):
         model = LlamaForCausalLM(config).to(torch.bfloat16)
@@ -93,31 +111,35 @@ def main() -> None:
     ap.add_argument("--out", default="regen.json")
     ap.add_argument("--lengths-file", default=None, help="JSON list of prompt lengths to draw from")
     ap.add_argument("--width", type=int, default=0, help="pad every batch to at least this width")
+    ap.add_argument("--attns", nargs="+", default=["sdpa"],
+                    help="attention implementations: sdpa, sdpa-gqa, flex_attention, eager")  # fmt: skip
     args = ap.parse_args()
     device = torch.device("cuda")
     model = build_model(device)
     ps = prompts(args.prompts, model.config.vocab_size, lengths_file=args.lengths_file)
     base = bench_plain(model, ps[:8], args.new_tokens)
     rows = [{"method": "generate() batch 1", "batch": 1, "tok_s": base, "ratio": 1.0}]
-    for cache in args.caches:
-        for b in args.batch_sizes:
-            n = max(b, min(len(ps), 2 * b))
-            tok_s = bench_stage(model, ps[:n], b, args.new_tokens, cache, args.width)
-            rows.append(
-                {
-                    "method": f"stage ({cache} cache)",
-                    "batch": b,
-                    "tok_s": tok_s,
-                    "ratio": tok_s / base,
-                }
-            )
-            print(json.dumps(rows[-1]), flush=True)
+    for attn in args.attns:
+        del model
+        torch.cuda.empty_cache()
+        model = build_model(device, attn)
+        for cache in args.caches:
+            for b in args.batch_sizes:
+                n = max(b, min(len(ps), 2 * b))
+                try:
+                    tok_s = bench_stage(model, ps[:n], b, args.new_tokens, cache, args.width)
+                except Exception as e:  # one kernel failing must not lose the others' rows
+                    print(f"{attn} {cache} batch {b}: {type(e).__name__}: {e}"[:500], flush=True)
+                    continue
+                rows.append({"method": f"stage ({cache} cache, {attn})", "batch": b,
+                             "tok_s": tok_s, "ratio": tok_s / base})  # fmt: skip
+                print(json.dumps(rows[-1]), flush=True)
     Path(args.out).write_text(
         json.dumps({"device": torch.cuda.get_device_name(), "rows": rows}, indent=2)
     )
-    print(f"\n{'method':<26}{'batch':>6}{'tok/s':>12}{'x base':>9}")
+    print(f"\n{'method':<42}{'batch':>6}{'tok/s':>12}{'x base':>9}")
     for r in rows:
-        print(f"{r['method']:<26}{r['batch']:>6}{r['tok_s']:>12.0f}{r['ratio']:>9.1f}")
+        print(f"{r['method']:<42}{r['batch']:>6}{r['tok_s']:>12.0f}{r['ratio']:>9.1f}")
 
 
 if __name__ == "__main__":
