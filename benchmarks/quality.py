@@ -37,6 +37,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import zstandard
+
 if TYPE_CHECKING:
     from dflashpipe.config import Config
 
@@ -144,8 +146,8 @@ def merged_configs(configs: list[str]) -> dict:
 
 
 def keep(runs: Path, variants: list[str], dest: Path) -> None:
-    """Each listed run's regenerated answers (KEPT folders, its resolved config) as one tar in
-    parts of PART_BYTES: answers-<variant>-<16 hex of its sha256>.part-NN."""
+    """Each listed run's regenerated answers (KEPT folders, its resolved config) as one
+    zstd-compressed tar in parts of PART_BYTES: answers-<variant>-<16 hex of its sha256>.part-NN."""
     dest.mkdir(parents=True, exist_ok=True)
     for v in variants:
         results = runs / f"quality-{v}" / "results"
@@ -156,7 +158,7 @@ def keep(runs: Path, variants: list[str], dest: Path) -> None:
         with tarfile.open(fileobj=buf, mode="w") as tar:
             for name in (*KEPT, "config.resolved.yaml"):
                 tar.add(results / name, arcname=name)
-        data = buf.getvalue()
+        data = zstandard.ZstdCompressor(level=10, threads=-1).compress(buf.getvalue())
         digest = hashlib.sha256(data).hexdigest()[:16]
         for old in dest.glob(f"answers-{v}-*.part-*"):
             old.unlink()
@@ -185,7 +187,8 @@ def restore(runs: Path, variant: str, src: Path, configs: list[str]) -> bool:
         return False
     import yaml
 
-    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+    tar_bytes = zstandard.ZstdDecompressor().stream_reader(io.BytesIO(data)).read()
+    with tarfile.open(fileobj=io.BytesIO(tar_bytes)) as tar:
         kept = stage_config(yaml.safe_load(tar.extractfile("config.resolved.yaml").read()))
         ours = stage_config(merged_configs(configs))
         if ours.digest(*KEPT_SECTIONS) != kept.digest(*KEPT_SECTIONS):

@@ -2,7 +2,7 @@
 # bash benchmarks/remote/mon.sh SECONDS: the background quality runs' status every 60 s until all
 # are done or SECONDS pass; then the table, and their small files bundled into $OUT/q.tar.gz.
 # KEEP="main code-answers" also brings those runs' regenerated answers back in $OUT (parts of
-# <= 15 MB, quality.py --keep; at most 6 parts fit beside the two other files a call returns).
+# <= 15 MB, quality.py --keep; at most 5 parts fit beside the three other files it returns).
 cd "$(dirname "$0")/../.." && . benchmarks/remote/setup.sh >/dev/null
 end=$((SECONDS + $1))
 if ! ls -d /tmp/runs/quality-* >/dev/null 2>&1; then  # a fresh machine: the warm one was handed back

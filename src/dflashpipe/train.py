@@ -190,9 +190,11 @@ class Trainer:
         available = len(self.samples)
         self.samples = subset(self.samples, self.tc.sample_fraction, self.tc.seed)
         if self.rank == 0:
-            log.info("training on %d samples (of %d: train.sample_fraction %g; %d available from "
-                     "train.extra_features), %d held out", len(self.samples), available,
-                     self.tc.sample_fraction, len(added), len(self.val_samples))  # fmt: skip
+            from_extra = sum(s.shard >= len(own) for s in self.samples)
+            share = (f"; train.sample_fraction {self.tc.sample_fraction:g} of {available}"
+                     if self.tc.sample_fraction < 1 else "")  # fmt: skip
+            log.info("training on %d samples (%d of them from train.extra_features), %d held out%s",
+                     len(self.samples), from_extra, len(self.val_samples), share)  # fmt: skip
         if self.val_samples:
             try:
                 self._val_plan = epoch_plan(
