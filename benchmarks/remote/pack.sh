@@ -8,15 +8,16 @@
 # There: `. benchmarks/remote/setup.sh` after each part arrives (it assembles resources/ under
 # /tmp/res once both are there), then `setsid bash benchmarks/remote/bg.sh bf16 ...` starts the
 # runs in the background and `bash benchmarks/remote/mon.sh SECONDS` follows them.
-# `pack.sh answers DIR...`: instead, the kept answers a call brought back (answers-*.part-*, from
-# mon.sh with KEEP=...) into .remote/k1, k2, ... of at most 60 MB each, one carry per folder;
+# `pack.sh answers DIR...`: instead, the kept answers calls brought back (answers-*.part-*, from
+# mon.sh with KEEP=..., each call's files_at a DIR) into .remote/k1, k2, ... of at most 60 MB
+# each, one carry per folder;
 # setup.sh gathers them and bg.sh restores them, so those runs start at extract.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 R=.remote
 if [ "${1:-}" = answers ]; then
   shift; rm -rf $R/k*; n=1; used=0
-  for part in $(ls "$@"/answers-*.part-* | sort); do
+  for part in $(for d in "$@"; do ls "$d"/answers-*.part-*; done | awk -F/ '{print $NF" "$0}' | sort | cut -d' ' -f2); do
     size=$(stat -c %s "$part")
     if [ $((used + size)) -gt 60000000 ]; then n=$((n + 1)); used=0; fi
     mkdir -p $R/k$n && cp "$part" $R/k$n/ && used=$((used + size))
