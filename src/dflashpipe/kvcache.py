@@ -1,12 +1,14 @@
-"""Static KV caches: the target and the DFlash drafter over fixed per-layer buffers.
+"""Static KV caches: the target and the DFlash drafter over fixed buffers.
 
-    StaticTarget    HF Llama-family model, its own modules and weights; K/V of every layer in a
-                    (1, n_kv, capacity, D) buffer; new tokens at explicit slots and positions
+    StaticTarget    HF Llama-family model, its own modules and weights; K/V of all layers in one
+                    (2 x layers, 1, n_kv, capacity, D) buffer (per-layer views); new tokens at
+                    explicit slots and positions
                     (a tree's siblings share a position, each has its own slot); mask = committed
                     prefix (< cache_len) + `visible` among the new slots; commit() moves a kept
                     tree path behind the prefix
-    StaticDrafter   DFlash drafter; context K/V projected once per accepted row at slot =
-                    position (append), a block [anchor, MASK..] drafted against it (slot_logits)
+    StaticDrafter   DFlash drafter; context K/V of all layers in one buffer, projected once per
+                    accepted row at slot = position (append: one matmul for every layer), a
+                    block [anchor, MASK..] drafted against it (slot_logits)
 
 Both are what engine.py's fixed-shape steps run (tests check them against the HF forward and the
 eager DFlashProposer in float32). Only step-time values live on the device: no host sync inside.
