@@ -56,7 +56,9 @@ class Engine:
     """Greedy decoding of one sequence at a time: target-only (`greedy`), with a DFlash
     drafter (`dflash`) or with DDTree draft trees (`ddtree`), each step one fixed-shape function over the static state below, replayed
     as a CUDA graph when `graphs` (default: on for CUDA). max_len bounds prompt + new tokens +
-    one block of slack; build one engine per (target, drafter, max_len) and reuse it."""
+    one block of slack; build one engine per (target, drafter, max_len) and reuse it. The
+    models' q/k/v and gate/up weights become views of fused ones (kvcache.fuse_layer): save
+    them before, and build a new engine after a `.float()` or `.to()`."""
 
     def __init__(
         self,
