@@ -160,35 +160,38 @@ def drafter_layer(
 
 
 def context_rows(
-    drafter: Drafter, states: Tensor, kv: Tensor, weight: Tensor, k_norm: Tensor,
-    cos: Tensor, sin: Tensor, slots: Tensor,
+    drafter: Drafter, states: Tensor, kv: Tensor, weight: Tensor, cos: Tensor, sin: Tensor,
+    slots: Tensor,
 ) -> None:  # fmt: skip
     """Project target states (R, n_taps*H) once into every drafter layer's context K/V at
-    `slots`: k_proj -> k_norm -> RoPE and v_proj of all n layers as one matmul with `weight`
-    (2n*Hkv*D, H) (the layers' k_proj then v_proj rows, `stacked_context_weights`), the per-layer
-    k_norm weights `k_norm` (n, D), one write into `kv` (2n, 1, Hkv, L, D) (layer i's K at i,
-    its V at n+i)."""
+    `slots`: k_proj and v_proj of all n layers as one matmul with `weight` (2n*Hkv*D, H) (the
+    layers' k_proj then v_proj rows, `stacked_context_weights`), each layer's k_norm and RoPE on
+    its keys, one write into `kv` (2n, 1, Hkv, L, D) (layer i's K at i, its V at n+i)."""
     ctx = drafter.context(states)  # (R, H)
-    n, R, D = k_norm.shape[0], ctx.shape[0], k_norm.shape[1]
+    n, R, D = len(drafter.layers), ctx.shape[0], drafter.config.head_dim
     rows = (ctx @ weight.T).view(R, 2 * n, -1, D).transpose(0, 1)  # (2n, R, Hkv, D)
-    k, v = rows[:n], rows[n:]
-    # Qwen3RMSNorm per layer, batched: float32 statistics, the weight times the input dtype.
-    k32 = k.float()
-    k32 = k32 * torch.rsqrt(k32.pow(2).mean(-1, keepdim=True) + drafter.config.rms_norm_eps)
-    k = k_norm[:, None, None, :] * k32.to(k.dtype)  # (n, R, Hkv, D)
+    k = torch.stack([layer.self_attn.k_norm(rows[i]) for i, layer in enumerate(drafter.layers)])
     k = apply_rope(k.transpose(1, 2), cos, sin)  # (n, Hkv, R, D)
-    new = torch.cat([k, v.transpose(1, 2)])[:, None]  # (2n, 1, Hkv, R, D)
+    new = torch.cat([k, rows[n:].transpose(1, 2)])[:, None]  # (2n, 1, Hkv, R, D)
     kv.index_copy_(3, slots, new)
 
 
-def stacked_context_weights(drafter: Drafter) -> tuple[Tensor, Tensor]:
+def stacked_context_weights(drafter: Drafter) -> Tensor:
     """What `context_rows` takes, copied once from the drafter's layers: every layer's k_proj
-    then every layer's v_proj weight as one (2n*Hkv*D, H) matrix, and the k_norm weights (n, D).
-    A copy (each layer's own k/v rows are views of its `fuse_layer` stack): build the
-    StaticDrafter after the drafter's weights are final."""
+    then every layer's v_proj weight as one (2n*Hkv*D, H) matrix. A copy (each layer's own k/v
+    rows are views of its `fuse_layer` stack): build the StaticDrafter after the drafter's
+    weights are final."""
     attns = [layer.self_attn for layer in drafter.layers]
     weight = torch.cat([a.k_proj.weight for a in attns] + [a.v_proj.weight for a in attns])
-    return weight.detach().clone(), torch.stack([a.k_norm.weight for a in attns]).detach().clone()
+    return weight.detach().clone()
+
+
+def kv_buffer(n_layers: int, shape: tuple[int, ...], like: Tensor) -> tuple[Tensor, list, list]:
+    """One zeroed buffer (2 x n_layers, *shape) for every layer's K (at i) and V (at n + i) in
+    the dtype and device of `like`, so one index_copy or index_select moves all layers at once;
+    and its per-layer K and V views."""
+    kv = torch.zeros((2 * n_layers, *shape), dtype=like.dtype, device=like.device)
+    return kv, list(kv[:n_layers]), list(kv[n_layers:])
 
 
 def compiled(fn, on: bool):
@@ -250,11 +253,8 @@ class StaticTarget:
         self.num_kv_heads = attn.k_proj.out_features // self.head_dim
         self.groups = attn.q_proj.out_features // attn.k_proj.out_features
         shape = (1, self.num_kv_heads, self.capacity, self.head_dim)
-        # One buffer for every layer's K and V (layer i's K at i, its V at n + i), so a tree's
-        # commit moves the accepted slots of all layers in one gather and one scatter.
-        n = len(self.base.layers)
-        self.kv = torch.zeros((2 * n, *shape), dtype=weight.dtype, device=weight.device)
-        self.k, self.v = list(self.kv[:n]), list(self.kv[n:])  # per-layer views
+        # one buffer: a tree's commit moves the accepted slots of all layers in two kernels
+        self.kv, self.k, self.v = kv_buffer(len(self.base.layers), shape, weight)
         self.fused = [fuse_layer(layer) for layer in self.base.layers]
         self.cols = torch.arange(self.capacity, device=self.device)  # (L,)
         with torch.no_grad():
@@ -333,12 +333,9 @@ class StaticDrafter:
         self.device, self.dtype = weight.device, weight.dtype
         self.max_len, self.capacity = max_len, _aligned(max_len)
         shape = (1, cfg.num_key_value_heads, self.capacity, cfg.head_dim)
-        # One buffer for every layer's context K and V (layer i's K at i, its V at n + i), so an
-        # append writes all layers at once (`context_rows`).
-        n = len(drafter.layers)
-        self.kv = torch.zeros((2 * n, *shape), dtype=weight.dtype, device=weight.device)
-        self.k, self.v = list(self.kv[:n]), list(self.kv[n:])  # per-layer views
-        self.context_weight, self.k_norm = stacked_context_weights(drafter)
+        # one buffer: an append writes the context rows of all layers at once (`context_rows`)
+        self.kv, self.k, self.v = kv_buffer(len(drafter.layers), shape, weight)
+        self.context_weight = stacked_context_weights(drafter)
         self.fused = [fuse_layer(layer) for layer in drafter.layers]
         self.cols = torch.arange(self.capacity, device=self.device)  # (L,)
         self.offsets = torch.arange(cfg.block_size, device=self.device)  # (B,)
@@ -357,7 +354,7 @@ class StaticDrafter:
         slots = start + torch.arange(states.shape[0], device=self.device)  # (R,)
         run = context_rows if eager else self.context_rows
         cos, sin = self.cos[slots], self.sin[slots]  # (R, D)
-        run(self.drafter, states, self.kv, self.context_weight, self.k_norm, cos, sin, slots)
+        run(self.drafter, states, self.kv, self.context_weight, cos, sin, slots)
 
     def masks(self, length: Tensor) -> dict[int | None, Tensor]:
         """Per sliding window (None: full) the folded (see `fold_mask`) SDPA form of
