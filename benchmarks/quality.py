@@ -35,12 +35,8 @@ import sys
 import tarfile
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import zstandard
-
-if TYPE_CHECKING:
-    from dflashpipe.config import Config
 
 REPO = Path(__file__).resolve().parent.parent
 RECIPE = REPO / "configs" / "smollm2-sharegpt.yaml"
@@ -128,13 +124,6 @@ def merged(base: dict, over: dict) -> dict:
     return out
 
 
-def stage_config(raw: dict) -> Config:
-    """A config mapping validated as the workflow validates it (defaults filled in)."""
-    from dflashpipe.config import Config
-
-    return Config.from_dict(raw)
-
-
 def merged_configs(configs: list[str]) -> dict:
     """The config files merged in order, as Snakemake merges --configfile."""
     import yaml
@@ -175,22 +164,24 @@ def restore(runs: Path, variant: str, src: Path, configs: list[str]) -> bool:
     parts = sorted(src.glob(f"answers-{variant}-*.part-*"))
     if not parts or (results / "sequences").exists():
         return False
-    names = {p.name.rsplit(".part-", 1)[0] for p in parts}
+    names = {p.name.rsplit(".part-", 1)[0] for p in parts}  # answers-<variant>-<digest>
     if len(names) > 1:
         print(f"[{variant}] restore: several kept sets in {src}: {sorted(names)}", flush=True)
         return False
     data = b"".join(p.read_bytes() for p in parts)
-    want = parts[0].name.rsplit(".part-", 1)[0].rsplit("-", 1)[1]
+    want = names.pop().rsplit("-", 1)[1]
     if hashlib.sha256(data).hexdigest()[:16] != want:
         print(f"[{variant}] restore: {len(parts)} parts of {want} do not match their digest "
               "(a part missing or damaged); regenerating", flush=True)  # fmt: skip
         return False
     import yaml
 
-    tar_bytes = zstandard.ZstdDecompressor().stream_reader(io.BytesIO(data)).read()
-    with tarfile.open(fileobj=io.BytesIO(tar_bytes)) as tar:
-        kept = stage_config(yaml.safe_load(tar.extractfile("config.resolved.yaml").read()))
-        ours = stage_config(merged_configs(configs))
+    from dflashpipe.config import Config
+
+    # the workflow's validation (defaults filled in) on both sides before their digests
+    with tarfile.open(fileobj=io.BytesIO(zstandard.ZstdDecompressor().decompress(data))) as tar:
+        kept = Config.from_dict(yaml.safe_load(tar.extractfile("config.resolved.yaml").read()))
+        ours = Config.from_dict(merged_configs(configs))
         if ours.digest(*KEPT_SECTIONS) != kept.digest(*KEPT_SECTIONS):
             diff = [k for k in KEPT_SECTIONS if ours.digest(k) != kept.digest(k)]
             print(f"[{variant}] restore: the kept answers were made with other {diff} "

@@ -106,9 +106,9 @@ def dflash_loss(
     soft: (A, B, k) top-k ids and log-probs from block_soft_targets, needed when distill_weight
     (the KL's share, in [0, 1]) is > 0. rank_weight: the share of the ranking term (the label
     among the drafter's rank_k most likely tokens: softplus(the rank_k-th largest other logit -
-    the label's)); cross-entropy takes 1 - distill_weight - rank_weight. Returns the scalar float32 loss and {"slot_accuracy":
-    (B-1,), "acceptance_length": (), "slot_labels": (B-1,) valid-label counts}. compile:
-    default on CUDA.
+    the label's)); cross-entropy takes 1 - distill_weight - rank_weight. Returns the scalar
+    float32 loss and {"slot_accuracy": (B-1,), "acceptance_length": (), "slot_labels": (B-1,)
+    valid-label counts}. compile: default on CUDA.
     """
     if lm_head_weight.requires_grad:
         raise ValueError("lm_head_weight requires grad; the target's LM head must stay frozen")
