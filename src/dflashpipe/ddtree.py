@@ -29,10 +29,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+from torch import Tensor
 
 from dflashpipe.kvcache import compiled
 from dflashpipe.speculative import Decoded
-from dflashpipe.tree import grow_tree, walk_static
+from dflashpipe.tree import StaticTree, grow_tree, walk_static
 
 if TYPE_CHECKING:
     from dflashpipe.engine import Engine
@@ -50,7 +51,9 @@ class TreeSteps:
         # The search and the walk are dozens of small ops: compiled with the engine's layers,
         # one graph per (budget, k) shape.
         self.grow = compiled(grow_tree, engine.compiled)
-        self.walk = compiled(walk_static, engine.compiled)
+        self.inputs = compiled(tree_inputs, engine.compiled)
+        self.walk = compiled(walk_tree, engine.compiled)
+        self.finish = compiled(finish_step, engine.compiled)
 
     def kind(self, budget: int, k: int) -> str:
         """The step kind of this pair, registered with its read-back buffer."""
@@ -63,25 +66,16 @@ class TreeSteps:
         return kind
 
     def _step(self, budget: int, k: int) -> None:
-        e, n = self.engine, budget + 1
+        e = self.engine
         T = e.length
         logprobs, ids = e.drafter.top_k(e.anchor, T, k)  # (S, k) each
         tree = self.grow(logprobs, ids, budget)
-        tokens = torch.cat([e.anchor, tree.tokens])  # (n,)
-        offsets = torch.cat([tree.depth.new_zeros(1), tree.depth])  # (n,)
-        slots = T + torch.arange(n, device=self.device)  # (n,)
-        logits, states = e.target.forward(tokens, T + offsets, slots, T, tree.visible, taps=True)
-        greedy = logits.argmax(-1)  # (n,)
-        rows = self.walk(tree, greedy)  # (B,)
-        count = (rows != rows[-1:]).sum(0, keepdim=True) + 1  # (1,): L+1
+        tokens, positions, slots = self.inputs(e.anchor, tree, T)  # (n,) each
+        logits, states = e.target.forward(tokens, positions, slots, T, tree.visible, taps=True)
+        rows, count, accepted = self.walk(tree, logits)
         e.target.commit(T + rows, T)
         e.drafter.append(states.index_select(0, rows), T)
-        accepted = greedy.index_select(0, rows)  # (B,): the first L+1 are accepted
-        e.anchor.copy_(accepted[-1:])
-        packed = self.packed[budget, k]
-        packed[:1].copy_(count)
-        packed[1:].copy_(accepted)
-        e.length.add_(count)
+        self.finish(accepted, count, e.anchor, self.packed[budget, k], e.length)
 
     def check_fit(self, prompt_length: int, max_new_tokens: int, budget: int, k: int) -> None:
         """Refuse, before decoding, what the static buffers cannot hold."""
@@ -128,3 +122,31 @@ class TreeSteps:
             return accepted[:count], real
 
         return e.speculate(prompt_ids, max_new_tokens, stop_ids, True, step)
+
+
+def tree_inputs(anchor: Tensor, tree: StaticTree, length: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """The verify's rows [anchor, nodes] (n,): their tokens, positions T + depth (the anchor at
+    depth 0) and slots T..T+n-1."""
+    tokens = torch.cat([anchor, tree.tokens])
+    positions = length + torch.cat([tree.depth.new_zeros(1), tree.depth])
+    slots = length + torch.arange(tokens.shape[0], device=tokens.device)
+    return tokens, positions, slots
+
+
+def walk_tree(tree: StaticTree, logits: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """From the verify's logits (n, V): rows (B,) (tree.walk_static on the target's greedy
+    tokens), count (1,) = L+1 accepted, and the greedy tokens of those rows (B,)."""
+    greedy = logits.argmax(-1)  # (n,)
+    rows = walk_static(tree, greedy)  # (B,)
+    count = (rows != rows[-1:]).sum(0, keepdim=True) + 1  # (1,): L+1
+    return rows, count, greedy.index_select(0, rows)  # the first L+1 are accepted
+
+
+def finish_step(
+    accepted: Tensor, count: Tensor, anchor: Tensor, packed: Tensor, length: Tensor
+) -> None:
+    """anchor = the last accepted token, packed = [L+1, accepted] (the read-back), T += L+1."""
+    anchor.copy_(accepted[-1:])
+    packed[:1].copy_(count)
+    packed[1:].copy_(accepted)
+    length.add_(count)

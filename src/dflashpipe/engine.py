@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from dflashpipe.ddtree import TreeSteps
-from dflashpipe.kvcache import StaticDrafter, StaticTarget
+from dflashpipe.kvcache import StaticDrafter, StaticTarget, compiled
 from dflashpipe.lookup import PromptLookupProposer
 from dflashpipe.model import Drafter
 from dflashpipe.speculative import Decoded, _clock, _finish
@@ -91,10 +91,12 @@ class Engine:
         # The static state every step reads and updates in place (graph inputs and outputs).
         self.length = torch.zeros(1, **long)  # T: committed slots of the target and the drafter
         self.anchor = torch.zeros(1, **long)  # the last accepted token, not cached yet
-        self.token = torch.zeros(1, **long)  # greedy: the step's token
-        self.drafts = torch.zeros(B - 1, **long)  # dflash: d_1..d_{B-1}
+        self.greedy_packed = torch.zeros(2, **long)  # greedy: [1, g], the read-back
+        self.token = self.greedy_packed[1:]  # greedy: the step's token
+        self.no_drafts = torch.zeros(0, **long)  # greedy: a chain of no drafts
         self.packed = torch.zeros(B + 1, **long)  # dflash: [n+1, g_0..g_{B-1}], the read-back
         self.offsets = torch.arange(B, **long)
+        self.accept = compiled(accept_chain, self.compiled)
         self.steps: dict[str, Callable[[], None]] = {
             "greedy": self._greedy_step,
             "dflash": self._dflash_step,
@@ -109,26 +111,18 @@ class Engine:
     def _greedy_step(self) -> None:
         T = self.length  # (1,): position = slot = T
         logits, _ = self.target.forward(self.anchor, T, T, T)  # (1, V)
-        g = logits.argmax(-1)  # (1,)
-        self.token.copy_(g)
-        self.anchor.copy_(g)
-        self.length.add_(1)
+        self.accept(logits, self.no_drafts, None, self.anchor, self.greedy_packed, self.length)
 
     def _dflash_step(self) -> None:
         """Draft a block, verify it: one step kind, so one graph replay per step."""
-        self.drafts.copy_(self.drafter.propose(self.anchor, self.length))  # (B-1,)
         T = self.length
+        drafts = self.drafter.propose(self.anchor, T)  # (B-1,)
         slots = T + self.offsets  # (B,): positions too
-        ids = torch.cat([self.anchor, self.drafts])  # (B,)
+        ids = torch.cat([self.anchor, drafts])  # (B,)
         logits, states = self.target.forward(ids, slots, slots, T, taps=True)  # (B, V)
-        greedy = logits.argmax(-1)  # (B,): g_i is the target's token after slot i
         # Every row goes into the drafter's context; T advanced by n+1 keeps only the accepted.
         self.drafter.append(states, T)
-        n = (self.drafts == greedy[:-1]).long().cumprod(0).sum(0, keepdim=True)  # (1,)
-        self.anchor.copy_(greedy.index_select(0, n))  # index_select: no host sync on n
-        self.packed[:1].copy_(n + 1)
-        self.packed[1:].copy_(greedy)
-        self.length.add_(n + 1)
+        self.accept(logits, drafts, None, self.anchor, self.packed, self.length)
 
     def _run(self, kind: str) -> None:
         if self.graphs:
@@ -296,14 +290,7 @@ class Engine:
         count, drafts = plan[:1], plan[1:]  # (1,), (K,)
         slots = T + torch.arange(K + 1, device=self.device)  # (K+1,): positions too
         logits, _ = self.target.forward(torch.cat([self.anchor, drafts]), slots, slots, T)
-        greedy = logits.argmax(-1)  # (K+1,)
-        real = torch.arange(K, device=self.device) < count  # (K,): pads never match
-        n = ((drafts == greedy[:-1]) & real).long().cumprod(0).sum(0, keepdim=True)  # (1,)
-        self.anchor.copy_(greedy.index_select(0, n))
-        packed = self.lookup_packed[K]
-        packed[:1].copy_(n + 1)
-        packed[1:].copy_(greedy)
-        self.length.add_(n + 1)
+        self.accept(logits, drafts, count, self.anchor, self.lookup_packed[K], self.length)
 
     @torch.no_grad()
     def ddtree(
@@ -316,6 +303,25 @@ class Engine:
             raise ValueError("this Engine was built without a drafter; pass drafter= to decode")
         self._tree = self._tree or TreeSteps(self)
         return self._tree.decode(prompt_ids, max_new_tokens, stop_ids, budget, top_k)
+
+
+def accept_chain(
+    logits: torch.Tensor, drafts: torch.Tensor, count: torch.Tensor | None, anchor: torch.Tensor,
+    packed: torch.Tensor, length: torch.Tensor,
+) -> None:  # fmt: skip
+    """Accept a verified chain, on the device: the target's greedy tokens g (Q,) from its logits
+    (Q, V) of [anchor, d_1..d_{Q-1}]; n = the matched prefix of drafts (Q-1,) against g (only the
+    first `count` drafts can match, None: all; a greedy step has none); anchor = g_n,
+    packed = [n+1, g_0..g_{Q-1}] (the step's read-back), length += n+1."""
+    greedy = logits.argmax(-1)  # (Q,): g_i is the target's token after slot i
+    match = drafts == greedy[:-1]  # (Q-1,)
+    if count is not None:  # pads never match
+        match &= torch.arange(drafts.shape[0], device=drafts.device) < count
+    n = match.long().cumprod(0).sum(0, keepdim=True)  # (1,)
+    anchor.copy_(greedy.index_select(0, n))  # index_select: no host sync on n
+    packed[:1].copy_(n + 1)
+    packed[1:].copy_(greedy)
+    length.add_(n + 1)
 
 
 def _check_pair(model: nn.Module, drafter: Drafter) -> None:

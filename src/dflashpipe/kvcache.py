@@ -8,16 +8,20 @@
                     tree path behind the prefix
     StaticDrafter   DFlash drafter; context K/V of all layers in one buffer, projected once per
                     accepted row at slot = position (append: one matmul for every layer), a
-                    block [anchor, MASK..] drafted against it (slot_logits)
+                    block [anchor, MASK..] drafted against it (propose, top_k)
 
 Both are what engine.py's fixed-shape steps run (tests check them against the HF forward and the
 eager DFlashProposer in float32). Only step-time values live on the device: no host sync inside.
 
 Compilation (`compile=True`, the engine's default on CUDA): the per-layer functions below
 (`target_layer`, `drafter_layer`, `context_rows`) are compiled whole for fixed shapes, one graph
-per step shape, shared by every layer (their weights are arguments); a prefill passes
-`eager=True` and runs them uncompiled, since its length changes per prompt. Inside a compiled
-function `attend_cache` takes plain ops the compiler fuses instead of SDPA's kernel.
+per step shape, shared by every layer (their weights are arguments); so is the glue around
+the layers (`target_inputs`, `target_outputs`, `drafter_inputs`, `chain_drafts`,
+`tree_candidates`: masks, RoPE rows, embeddings, final norm, LM head, argmax or top-k), which
+would otherwise be a few dozen small kernels per step, each its own launch inside the step's
+graph. A prefill passes `eager=True` and runs them uncompiled, since its length changes per
+prompt. Inside a compiled function `attend_cache` takes plain ops the compiler fuses instead of
+SDPA's kernel.
 
 Fused projections (both models, as serving engines run them): each layer's q/k/v_proj is one
 matmul and gate/up_proj another (`fuse_layer`; the modules' weights become views of the fused
@@ -161,19 +165,90 @@ def drafter_layer(
 
 def context_rows(
     drafter: Drafter, states: Tensor, kv: Tensor, weight: Tensor, cos: Tensor, sin: Tensor,
-    slots: Tensor,
+    start: Tensor | int,
 ) -> None:  # fmt: skip
     """Project target states (R, n_taps*H) once into every drafter layer's context K/V at
-    `slots`: k_proj and v_proj of all n layers as one matmul with `weight` (2n*Hkv*D, H) (the
-    layers' k_proj then v_proj rows, `stacked_context_weights`), each layer's k_norm and RoPE on
-    its keys, one write into `kv` (2n, 1, Hkv, L, D) (layer i's K at i, its V at n+i)."""
+    slots = positions start..start+R-1: k_proj and v_proj of all n layers as one matmul with
+    `weight` (2n*Hkv*D, H) (the layers' k_proj then v_proj rows, `stacked_context_weights`), each
+    layer's k_norm and RoPE (rows of the tables cos/sin (L, D)) on its keys, one write into `kv`
+    (2n, 1, Hkv, L, D) (layer i's K at i, its V at n+i)."""
     ctx = drafter.context(states)  # (R, H)
     n, R, D = len(drafter.layers), ctx.shape[0], drafter.config.head_dim
+    slots = start + torch.arange(R, device=ctx.device)  # (R,)
+    cos, sin = cos[slots], sin[slots]  # (R, D)
     rows = (ctx @ weight.T).view(R, 2 * n, -1, D).transpose(0, 1)  # (2n, R, Hkv, D)
     k = torch.stack([layer.self_attn.k_norm(rows[i]) for i, layer in enumerate(drafter.layers)])
     k = apply_rope(k.transpose(1, 2), cos, sin)  # (n, Hkv, R, D)
     new = torch.cat([k, rows[n:].transpose(1, 2)])[:, None]  # (2n, 1, Hkv, R, D)
     kv.index_copy_(3, slots, new)
+
+
+def step_mask(cols: Tensor, slots: Tensor, cache_len: Tensor, visible: Tensor | None) -> Tensor:
+    """(Q, L) bool over buffer columns `cols` (L,): the committed prefix (< cache_len) plus,
+    among the new `slots`, `visible` (Q, Q) (None: causal; a tree passes its ancestor matrix)."""
+    Q = slots.shape[0]
+    if visible is None:
+        visible = torch.ones(Q, Q, dtype=torch.bool, device=cols.device).tril()
+    return (cols < cache_len).repeat(Q, 1).index_copy_(1, slots, visible)
+
+
+def target_inputs(
+    embed: nn.Module, cos: Tensor, sin: Tensor, cols: Tensor, ids: Tensor, positions: Tensor,
+    slots: Tensor, cache_len: Tensor, visible: Tensor | None, groups: int,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    """A target step's inputs to its layers: embeddings (Q, H), RoPE rows (Q, D) of the
+    positions from the tables cos/sin (L, D), and the folded mask every layer shares."""
+    mask = fold_mask(step_mask(cols, slots, cache_len, visible), groups)
+    return embed(ids), cos[positions], sin[positions], mask
+
+
+def target_outputs(
+    norm: nn.Module, lm_head: nn.Module, x: Tensor, tapped: list[Tensor]
+) -> tuple[Tensor, Tensor | None]:
+    """Logits (Q, V) of the last layer's rows x (Q, H), and the tapped layers' rows side by side
+    (Q, n_taps*H), or None without taps."""
+    return lm_head(norm(x)), torch.cat(tapped, -1) if tapped else None
+
+
+def drafter_inputs(
+    drafter: Drafter, anchor: Tensor, mask_ids: Tensor, cos: Tensor, sin: Tensor, cols: Tensor,
+    offsets: Tensor, length: Tensor, windows: list[int | None], groups: int,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, list[Tensor]]:  # fmt: skip
+    """A draft's inputs to the drafter's layers for the block [anchor (1,), mask_ids (B-1,)]
+    anchored at position T = length: embeddings (B, H), slots T..T+B-1 (B,), their RoPE rows
+    (B, D), and
+    per entry of `windows` (None: full attention) the folded SDPA form of
+    masks.block_mask_mod: context j < T, every slot of the block; a window measures from the
+    query's position T+k and is causal inside the block."""
+    block = torch.cat([anchor, mask_ids])  # (B,)
+    B = block.shape[0]
+    x = drafter.embed_blocks(block[None])[0]  # (B, H)
+    slots = length + offsets  # (B,)
+    slot = offsets[:, None]  # (B, 1)
+    j = cols[None, :]  # (1, L)
+    kv_slot = j - length  # (1, L): block slot of column j, negative for context
+    context = j < length  # (1, L)
+    in_block = (kv_slot >= 0) & (kv_slot < B)  # (1, L)
+    masks = []
+    for w in windows:
+        if w is None:
+            mask = (context | in_block).expand(B, -1)  # (B, L)
+        else:
+            near = length + slot - j < w  # (B, L)
+            causal = (kv_slot <= slot) & (slot - kv_slot < w)  # (B, L)
+            mask = (context & near) | (in_block & causal)  # (B, L)
+        masks.append(fold_mask(mask, groups))
+    return x, slots, cos[slots], sin[slots], masks
+
+
+def chain_drafts(drafter: Drafter, x: Tensor) -> Tensor:
+    """The greedy drafts (B-1,) of slots 1..B-1 from the last layer's block rows x (B, H)."""
+    return drafter.lm_head(drafter.norm(x)[1:]).argmax(-1)
+
+
+def tree_candidates(drafter: Drafter, x: Tensor, k: int) -> tuple[Tensor, Tensor]:
+    """Per slot 1..B-1 the k most likely tokens: float32 log-probabilities and ids (B-1, k)."""
+    return draft_candidates(drafter.lm_head(drafter.norm(x)[1:]), k)
 
 
 def stacked_context_weights(drafter: Drafter) -> Tensor:
@@ -238,6 +313,8 @@ class StaticTarget:
     ):
         check_target(model)
         self.layer = compiled(target_layer, compile)
+        self.inputs = compiled(target_inputs, compile)
+        self.outputs = compiled(target_outputs, compile)
         self.model = model
         self.base = model.get_decoder()
         self.layer_ids = list(layer_ids)
@@ -264,15 +341,6 @@ class StaticTarget:
             cos, sin = self.base.rotary_emb(probe, self.cols[None])  # (1, L, D)
         self.cos, self.sin = cos[0], sin[0]  # (L, D)
 
-    def mask(self, slots: Tensor, cache_len: Tensor, visible: Tensor | None = None) -> Tensor:
-        """(Q, L) bool: the committed prefix (< cache_len) plus, among the new slots, `visible`
-        (Q, Q) (default causal; a tree passes its ancestor-only matrix)."""
-        Q = slots.shape[0]
-        if visible is None:
-            visible = torch.ones(Q, Q, dtype=torch.bool, device=self.device).tril()
-        mask = (self.cols < cache_len).repeat(Q, 1)  # (Q, L)
-        return mask.index_copy_(1, slots, visible)
-
     @torch.no_grad()
     def forward(
         self,
@@ -289,10 +357,13 @@ class StaticTarget:
         their K/V written into `slots` (all (Q,) device tensors; cache_len a one-element tensor)
         and, with taps, the outputs of decoder layers `layer_ids` (Q, n_taps*H). `eager`: the
         uncompiled layers (a prefill, whose length changes per prompt)."""
-        mask = fold_mask(self.mask(slots, cache_len, visible), self.groups)  # once for all layers
-        cos, sin = self.cos[positions], self.sin[positions]  # (Q, D)
-        x = self.base.embed_tokens(ids)  # (Q, H)
-        run = target_layer if eager else self.layer
+        inputs, run, outputs = (
+            (target_inputs, target_layer, target_outputs)
+            if eager
+            else (self.inputs, self.layer, self.outputs)
+        )
+        x, cos, sin, mask = inputs(self.base.embed_tokens, self.cos, self.sin, self.cols, ids,
+                                   positions, slots, cache_len, visible, self.groups)  # fmt: skip
         tapped = {}
         for i, layer in enumerate(self.base.layers):
             x = run(layer, x, self.k[i], self.v[i], cos, sin, slots, mask, self.fused[i])
@@ -300,9 +371,8 @@ class StaticTarget:
                 tapped[i] = x
         if last_only:
             x = x[-1:]
-        logits = self.model.lm_head(self.base.norm(x))  # (Q, V)
-        states = torch.cat([tapped[i] for i in self.layer_ids], -1) if tapped and taps else None
-        return logits, states
+        taps_in_order = [tapped[i] for i in self.layer_ids] if taps else []
+        return outputs(self.base.norm, self.model.lm_head, x, taps_in_order)
 
     @torch.no_grad()
     def commit(self, src_slots: Tensor, dst_start: Tensor | int) -> None:
@@ -322,6 +392,9 @@ class StaticDrafter:
         self.drafter = drafter
         self.layer = compiled(drafter_layer, compile)
         self.context_rows = compiled(context_rows, compile)
+        self.inputs = compiled(drafter_inputs, compile)
+        self.chain = compiled(chain_drafts, compile)
+        self.candidates = compiled(tree_candidates, compile)
         cfg = drafter.config
         self.block_size = cfg.block_size
         if cfg.block_size + 1 > max_len:
@@ -351,54 +424,28 @@ class StaticDrafter:
     def append(self, states: Tensor, start: Tensor | int, eager: bool = False) -> None:
         """Context rows of target states (R, n_taps*H) at slots/positions start..start+R-1
         (`eager`: uncompiled, for a prefill's prompt-length rows)."""
-        slots = start + torch.arange(states.shape[0], device=self.device)  # (R,)
         run = context_rows if eager else self.context_rows
-        cos, sin = self.cos[slots], self.sin[slots]  # (R, D)
-        run(self.drafter, states, self.kv, self.context_weight, cos, sin, slots)
-
-    def masks(self, length: Tensor) -> dict[int | None, Tensor]:
-        """Per sliding window (None: full) the folded (see `fold_mask`) SDPA form of
-        masks.block_mask_mod for one block anchored at position T = length: context j < T, every
-        slot of the block; a window measures from the query's position T+k and is causal inside
-        the block."""
-        slot = self.offsets[:, None]  # (B, 1)
-        j = self.cols[None, :]  # (1, L)
-        kv_slot = j - length  # (1, L): block slot of column j, negative for context
-        context = j < length  # (1, L)
-        block = (kv_slot >= 0) & (kv_slot < self.block_size)  # (1, L)
-        out = {}
-        for w in self.windows:
-            if w is None:
-                mask = (context | block).expand(self.block_size, -1)  # (B, L)
-            else:
-                near = length + slot - j < w  # (B, L)
-                causal = (kv_slot <= slot) & (slot - kv_slot < w)  # (B, L)
-                mask = (context & near) | (block & causal)  # (B, L)
-            out[w] = fold_mask(mask, self.groups)
-        return out
+        run(self.drafter, states, self.kv, self.context_weight, self.cos, self.sin, start)
 
     @torch.no_grad()
-    def slot_states(self, anchor: Tensor, length: Tensor) -> Tensor:
-        """Final hidden states (B, H) of the block [anchor, MASK..] at positions T..T+B-1."""
+    def block_rows(self, anchor: Tensor, length: Tensor) -> Tensor:
+        """The last layer's rows (B, H) of the block [anchor, MASK..] at positions T..T+B-1."""
         d = self.drafter
-        x = d.embed_blocks(torch.cat([anchor, self.masks_ids])[None])[0]  # (B, H)
-        slots = length + self.offsets  # (B,)
-        cos, sin = self.cos[slots], self.sin[slots]  # (B, D)
-        masks = self.masks(length)
+        x, slots, cos, sin, masks = self.inputs(d, anchor, self.masks_ids, self.cos, self.sin,
+                                                self.cols, self.offsets, length, self.windows,
+                                                self.groups)  # fmt: skip
+        by_window = dict(zip(self.windows, masks, strict=True))
         for i, layer in enumerate(d.layers):
-            mask = masks[layer.self_attn.sliding_window]
+            mask = by_window[layer.self_attn.sliding_window]
             x = self.layer(layer, x, self.k[i], self.v[i], cos, sin, slots, mask, self.fused[i])
-        return d.norm(x)
+        return x
 
     @torch.no_grad()
-    def slot_logits(self, anchor: Tensor, length: Tensor) -> Tensor:
-        """Logits (B-1, V) of slots 1..B-1 (slot k predicts the token k after the anchor)."""
-        return self.drafter.lm_head(self.slot_states(anchor, length)[1:])
-
     def propose(self, anchor: Tensor, length: Tensor) -> Tensor:
         """Greedy drafts (B-1,) of slots 1..B-1 (the chain)."""
-        return self.slot_logits(anchor, length).argmax(-1)
+        return self.chain(self.drafter, self.block_rows(anchor, length))
 
+    @torch.no_grad()
     def top_k(self, anchor: Tensor, length: Tensor, k: int) -> tuple[Tensor, Tensor]:
         """Per slot 1..B-1 the k most likely tokens: float32 log-probabilities and ids (B-1, k)."""
-        return draft_candidates(self.slot_logits(anchor, length), k)
+        return self.candidates(self.drafter, self.block_rows(anchor, length), k)
