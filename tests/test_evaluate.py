@@ -304,3 +304,24 @@ def test_a_tree_budget_beyond_the_context_is_refused(
     with pytest.raises(ConfigError, match="evaluate.tree_nodes 2040 .* context of 2048"):
         run(TargetConfig(model=str(tiny_target_dir)), drafter_dir, eval_table,
             tmp_path / "m.json", ev, "cpu")  # fmt: skip
+
+
+def test_lossless_check_off_skips_the_float32_pass(tiny_target_dir, target_config, eval_table,
+                                                    tmp_path, caplog):  # fmt: skip
+    """A tau-only run (a lever cell): the bf16 responses are measured as usual, the float32
+    pass is skipped and every lossless figure is null rather than a claim."""
+    drafter_dir = _export(target_config, tmp_path / "drafter")
+    target = TargetConfig(model=str(tiny_target_dir), dtype="bfloat16")
+    ev = EvaluateConfig(num_prompts=2, max_new_tokens=6, tree_nodes=[4], lossless_check=False,
+                        methods=["target", "dflash", "ddtree"])  # fmt: skip
+    with caplog.at_level("WARNING", logger="dflashpipe.evaluate"):
+        metrics = run(target, drafter_dir, eval_table, tmp_path / "m.json", ev, "cpu")
+    assert "lossless_check is off" in caplog.text
+    assert metrics["lossless_fraction"] is None and metrics["first_divergence"] is None
+    assert [r["lossless"] for r in metrics["responses"]] == [None, None]
+    assert "lossless_fraction" not in metrics["methods"]["dflash"]
+    tree = metrics["ddtree"]["4"]
+    assert "lossless_fraction" not in tree and tree["first_divergence"] is None
+    assert metrics["acceptance_length"] >= 1 and tree["acceptance_length"] >= 1
+    assert 0.0 <= metrics["bf16_agreement"] <= 1.0  # the run-dtype figures are all there
+    assert metrics["settings"]["lossless_check"] is False

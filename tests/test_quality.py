@@ -173,13 +173,14 @@ def test_every_overlay_is_a_valid_config_on_the_recipe():
 
     from dflashpipe.config import Config
 
-    merged = _load_quality().merged
+    quality = _load_quality()
     recipe = yaml.safe_load((REPO / "configs" / "smollm2-sharegpt.yaml").read_text())
     overlays = sorted((REPO / "benchmarks" / "quality").glob("*.yaml"))
     assert len(overlays) >= 10
     for path in overlays:
         over = yaml.safe_load(path.read_text()) or {}
-        cfg = Config.from_dict(merged(recipe, over))
+        stacked = quality.merged_configs([str(p) for p in quality.stack(path.stem)])
+        cfg = Config.from_dict(quality.merged(recipe, stacked))
         for section, values in over.items():
             for key, value in values.items():
                 nested = isinstance(value, dict) or (
@@ -187,3 +188,21 @@ def test_every_overlay_is_a_valid_config_on_the_recipe():
                 )  # sections and sources get their defaults filled in
                 if not nested:
                     assert cfg.section(section)[key] == value, (path.name, section, key)
+
+
+def test_a_lever_cell_stacks_the_code_variant_and_a_tau_only_evaluate():
+    """`# also: code tau-only`: the code variant's data under the lever's own change, and an
+    evaluate without the float32 pass; the stack is merged in order, each file once."""
+    from dflashpipe.config import Config
+
+    quality = _load_quality()
+    names = [p.stem for p in quality.stack("rank8")]
+    assert names == ["code", "tau-only", "rank8"]
+    configs = [str(REPO / "configs" / "smollm2-sharegpt.yaml")] + [
+        str(p) for p in quality.stack("rank8")
+    ]
+    cfg = Config.from_dict(quality.merged_configs(configs))
+    train, ev = cfg.section("train"), cfg.section("evaluate")
+    assert train["extra_features"] == ["../quality-code-answers/results/features/manifest.json"]
+    assert train["rank_weight"] == 0.2 and ev["lossless_check"] is False
+    assert [p.stem for p in quality.stack("code")] == ["code"] and quality.stack("main") == []

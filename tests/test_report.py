@@ -1,4 +1,5 @@
 import json
+from pathlib import Path
 
 import matplotlib.image as mpimg
 import pytest
@@ -115,3 +116,13 @@ def test_methods_and_ddtree_budgets_are_tabled_and_plotted(tmp_path):
     assert "| DDTree, 32 nodes | static | 3.100 | 18.0 | 1.95x vs target | 1.000 |" in md
     assert "![ddtree](r/ddtree.png)" in md
     assert mpimg.imread(tmp_path / "r" / "ddtree.png").shape[0] > 100
+
+
+def test_an_unchecked_run_says_so(tmp_path):
+    """evaluate.lossless_check: false leaves lossless_fraction null: the summary says it was not
+    checked instead of printing a number."""
+    inputs = _inputs(tmp_path)
+    Path(inputs[1]).write_text(json.dumps(EVAL | {"lossless_fraction": None}))
+    run(*inputs, str(tmp_path / "plots"), str(tmp_path / "report.md"))
+    md = (tmp_path / "report.md").read_text()
+    assert "lossless fraction (float32): not checked (evaluate.lossless_check: false)" in md

@@ -61,6 +61,9 @@ class EvaluateConfig:
     prompt_lookup_occurrence: str = "earliest"  # transformers' rule; or "latest"
     prompt_lookup_search: str = "all"  # prompt and generated text; or "prompt"
     prompt_lookup_sweep: bool = True  # replay lookup.GRID on the target's outputs: the baseline
+    # the float32 pass that checks every speculative output against target-only greedy; off
+    # only for tau-only sweeps (e.g. the quality recipe's lever cells), never for a headline
+    lossless_check: bool = True
     workers: int = 1  # processes decoding slices of the prompts side by side on the one device
     enable_thinking: bool | None = None
     methods: list[str] = field(default_factory=lambda: list(METHODS))
@@ -240,6 +243,8 @@ def decode_and_check(
     finally:
         timed.close()
     checked = [m for m in main if m == "target" or m == "dflash" or m.startswith("ddtree@")]
+    if not ev.lossless_check:
+        return main, {}, timed.info(), swept
     if model.dtype == torch.float32:
         return main, {m: main[m] for m in checked}, timed.info(), swept
     # bf16 rounds a block forward and one-token forwards differently, so near-tied argmaxes
@@ -383,15 +388,17 @@ def run(
     )
     metrics |= {"num_prompts": len(prompts), "skipped": dict(skipped), "settings": asdict(ev)}
     metrics |= run_info(target_cfg, drafter_dir, cfg, device, run_dtype)
-    if metrics["lossless_fraction"] < 1.0:
+    if not ev.lossless_check:
+        log.warning("evaluate.lossless_check is off: the outputs were not checked in float32")
+    elif metrics["lossless_fraction"] < 1.0:
         log.error("speculative output differs from greedy: %s", metrics["first_divergence"])
     for n, tree in metrics["ddtree"].items():
-        if tree["lossless_fraction"] < 1.0:
+        if tree.get("lossless_fraction", 1.0) < 1.0:
             log.error("ddtree@%s output differs from greedy: %s", n, tree["first_divergence"])
     write_json(out, metrics)
     for m, row in [*metrics["methods"].items(), *metrics["ddtree"].items()]:
         log.info("%s: tau %s, %.1f decode tokens/s, speedup %s (vs %s, %s engine)", m,
                  row["acceptance_length"], row["decode_tokens_per_s"], row["speedup"],
                  row["speedup_against"], row["engine"])  # fmt: skip
-    log.info("lossless %.2f -> %s", metrics["lossless_fraction"], out)
+    log.info("lossless %s -> %s", metrics["lossless_fraction"], out)
     return metrics

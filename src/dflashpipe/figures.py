@@ -121,7 +121,9 @@ def method_rows(
             "per_source": tau_per_source(prompts, results),
             "verify_steps": row["verify_steps"],
             "nodes_per_step": _mean([d for r in results for d in r.drafted]),
-            "first_divergence": first_divergence(prompts, lossless["target"], lossless[m]),
+            "first_divergence": (
+                first_divergence(prompts, lossless["target"], lossless[m]) if lossless else None
+            ),
         }
         trees[m.removeprefix("ddtree@")] = entry
     return methods, trees
@@ -138,14 +140,16 @@ def summarize(
     lookup_sweep: dict[str, list[Decoded]] | None = None,
 ) -> dict:
     """metrics.json's figures: main holds the timed run-dtype responses per method, lossless
-    the float32 ones of target-only, DFlash and DDTree; `engine` is Decoders.info(); `lookup`
+    the float32 ones of target-only, DFlash and DDTree ({} when unchecked: the lossless figures
+    are then None); `engine` is Decoders.info(); `lookup`
     the configured (timed) prompt lookup, `lookup_sweep` lookup.sweep's replays by name."""
     engine = engine or {"kind": "eager", "graphs": False, "compiled": False}
     target, dflash, looked_up = main["target"], main["dflash"], main.get("prompt_lookup")
     spec, base = method_summary(dflash, block - 1), method_summary(target, block - 1)
     base_speed = base["decode_tokens_per_s"]
     histogram = Counter(a for r in dflash for a in r.accepted_lengths)
-    same = _identical(lossless["target"], lossless["dflash"])
+    checked = bool(lossless)
+    same = _identical(lossless["target"], lossless["dflash"]) if checked else [None] * len(dflash)
     trees = {m.removeprefix("ddtree@"): main[m] for m in main if m.startswith("ddtree@")}
     responses = []
     for k, ((row, ids), r, ok) in enumerate(zip(prompts, dflash, same, strict=True)):
@@ -170,8 +174,10 @@ def summarize(
         "per_source": tau_per_source(prompts, dflash),
         "histogram": {str(k): histogram.get(k, 0) for k in range(1, block + 1)},
         "per_position_acceptance": spec["per_position_acceptance"],
-        "lossless_fraction": sum(same) / len(same),
-        "first_divergence": first_divergence(prompts, lossless["target"], lossless["dflash"]),
+        "lossless_fraction": sum(same) / len(same) if checked else None,
+        "first_divergence": (
+            first_divergence(prompts, lossless["target"], lossless["dflash"]) if checked else None
+        ),
         "bf16_agreement": _mean(_identical(target, dflash)) if reduced_precision else None,
         "speedup": spec["decode_tokens_per_s"] / base_speed if base_speed else None,
         "tokens_per_s": {

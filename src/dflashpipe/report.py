@@ -134,6 +134,10 @@ def _speed(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}x"
 
 
+def _lossless(x: float | None) -> str:
+    return "not checked (evaluate.lossless_check: false)" if x is None else f"**{x:.3f}**"
+
+
 def methods_table(evaluation: dict) -> str:
     """One row per method and per DDTree budget (metrics from before `methods` existed: decode
     tokens/s of the three methods)."""
@@ -207,7 +211,7 @@ def summary(rows: list[dict], evaluation: dict, prompts: dict, manifest: dict, i
 {per_source}
 
 - acceptance length tau: **{evaluation["acceptance_length"]:.3f}** (prompt lookup at its best: {_fmt(lookup.get("acceptance_length"))}{_config(lookup.get("best"), ", ")})
-- lossless fraction (float32): **{evaluation["lossless_fraction"]:.3f}**
+- lossless fraction (float32): {_lossless(evaluation["lossless_fraction"])}
 - speedup vs target-only greedy: **{evaluation["speedup"]:.2f}x** (prompt lookup{_config(lookup.get("configured"), " ")}: {_speed(lookup.get("speedup"))}){_engine(evaluation)}
 
 {methods_table(evaluation)}
