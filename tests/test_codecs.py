@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from dflashpipe.codecs import CODECS, decode, decode_topk, encode, pack_topk
+from dflashpipe.codecs import CODECS, decode, decode_topk, encode, pack, pack_topk
 from dflashpipe.errors import DataError
 
 
@@ -99,3 +99,21 @@ def test_topk_soft_targets_round_trip_bit_exact():
         decode_topk(frames[0], frames[1][:-6], 37, 8)
     with pytest.raises(ValueError, match="int32 ids and float16 log-probs"):
         pack_topk(ids.long(), logprobs)
+
+
+@pytest.mark.parametrize("width", [64, 15])  # even: two bytes per lookup; odd: one
+def test_fp8_decode_equals_torchs_cast_bit_for_bit(width):
+    """The table-lookup dequantization gives exactly torch's float8 -> float32 cast times the
+    scale, rounded to bf16, for every byte value (NaN bytes included) and for a slice."""
+    g = torch.Generator().manual_seed(1)
+    T, n_layers = 300, 1  # 300 x 15 bytes cover all 256 values
+    q = torch.arange(T * width, dtype=torch.int64).remainder(256).to(torch.uint8)
+    q = q[torch.randperm(q.numel(), generator=g)].view(T, width)
+    scales = torch.rand(T, n_layers, generator=g) + 0.5
+    enc = pack((q, scales), "fp8-zstd")
+    want = (q.view(torch.float8_e4m3fn).float() * scales).to(torch.bfloat16)
+    got = decode(enc, "fp8-zstd", T, width, n_layers)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))  # NaNs compare as bits
+    part = torch.empty(7, width, dtype=torch.bfloat16)
+    decode(enc, "fp8-zstd", T, width, n_layers, out=part)
+    assert torch.equal(part.view(torch.int16), want[:7].view(torch.int16))

@@ -73,3 +73,56 @@ def test_packed_states_are_the_shards_rows_and_padding_is_zero(tiny_features):
                 at += s.length
             assert (b["target_hidden"][at:] == 0).all()
     assert any(sum(samples[i].length for i in bins) < 64 for bins in plan)  # padding was tested
+
+
+def _shard(path, codec: str, lengths: list[int], seed: int, H: int = 32, taps=(0, 1)):
+    """A feature shard of random states (a real codec, real schema) and its samples."""
+    import pyarrow as pa
+
+    from dflashpipe.codecs import encode
+    from dflashpipe.shards import ShardInfo, feature_row, record_batch
+
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for i, n in enumerate(lengths):
+        states = (torch.randn(n, len(taps) * H, generator=g) * 3).to(torch.bfloat16)
+        ids = torch.randint(0, 100, (n,), generator=g).tolist()
+        rows.append(feature_row(f"s{seed}-{i}", ids, [0] * 3 + [1] * (n - 3),
+                                encode(states, codec, len(taps))))  # fmt: skip
+    info = ShardInfo(codec, list(taps), H, {"name": "random"})
+    schema = record_batch(rows[:1]).schema.with_metadata(info.metadata())
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, schema) as w:
+        for r in rows:
+            w.write_batch(record_batch([r]))
+    return path
+
+
+def test_quantized_packs_dequantize_on_the_device_to_the_workers_bf16(tmp_path):
+    """quantized=True: a pack of fp8-zstd samples carries e4m3 bytes + scales, and to_device
+    gives bit for bit the bf16 states a worker decodes (padding zero); a pack that mixes in a
+    bf16-zstd shard is decoded in the worker as before."""
+    from dflashpipe.data import to_device
+
+    fp8 = _shard(tmp_path / "a.arrow", "fp8-zstd", [20, 33, 9, 41], seed=0)
+    bf16 = _shard(tmp_path / "b.arrow", "bf16-zstd", [17, 25], seed=1)
+    samples = [Sample(0, i, n) for i, n in enumerate([20, 33, 9, 41])]
+    samples += [Sample(1, i, n) for i, n in enumerate([17, 25])]
+    plan = [[0, 1, 2], [3], [1, 4]]  # fp8 only (with padding), fp8 only, fp8 + bf16
+    args = ([fp8, bf16], samples, plan, 72, 8, 0, 0)
+    plain, quantized = PackedBatches(*args), PackedBatches(*args, quantized=True)
+    for k in range(len(plan)):
+        want, got = plain[k], quantized[k]
+        assert ("target_fp8" in got) == (k < 2) and ("target_hidden" in got) == (k == 2)
+        if k < 2:
+            assert got["target_fp8"].dtype == torch.uint8 and got["target_fp8"].shape == (72, 64)
+            assert got["target_scales"].shape == (72, 2)
+        moved = to_device(got, torch.device("cpu"))
+        assert set(moved) == set(want)
+        for key in want:
+            assert torch.equal(moved[key].view(-1).view(torch.uint8),
+                               want[key].view(-1).view(torch.uint8)), (k, key)  # fmt: skip
+    used = sum(samples[i].length for i in plan[0])
+    assert (
+        used < 72
+        and (to_device(quantized[0], torch.device("cpu"))["target_hidden"][used:] == 0).all()
+    )

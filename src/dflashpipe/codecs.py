@@ -18,6 +18,7 @@ kilobytes.
 
 from __future__ import annotations
 
+import functools
 import threading
 from dataclasses import dataclass
 
@@ -120,6 +121,73 @@ def _decompress_into(frame, dst: np.ndarray) -> None:
         raise ValueError(f"a plane holds more than the expected {dst.size} bytes")
 
 
+def _fp8_parts(
+    enc: Encoded, num_tokens: int, width: int, n_layers: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """An fp8-zstd block's e4m3 bytes (num_tokens, width) uint8 and scales (num_tokens,
+    n_layers) float32, read-only views, checked for size (ValueError)."""
+    raw = np.frombuffer(_decompressor().decompress(enc.hidden), dtype=np.uint8)
+    if raw.size != num_tokens * width:
+        raise ValueError(f"the block holds {raw.size} bytes, expected {num_tokens * width}")
+    scales = np.frombuffer(enc.scales, dtype=np.float32)
+    if scales.size != num_tokens * n_layers:
+        raise ValueError(f"{scales.size} scales, expected {num_tokens}x{n_layers}")
+    return raw.reshape(num_tokens, width), scales.reshape(num_tokens, n_layers)
+
+
+def decode_fp8_undequantized(
+    enc: Encoded, num_tokens: int, width: int, n_layers: int, q: torch.Tensor, scales: torch.Tensor
+) -> None:
+    """An fp8-zstd block's first m tokens as stored, into q (m, width) uint8 and scales
+    (m, n_layers) float32 (m <= num_tokens; slices of a packed batch, say), for
+    `dequantize_fp8` to finish where the batch goes (the GPU): a CPU loader then only
+    decompresses."""
+    try:
+        raw, s = _fp8_parts(enc, num_tokens, width, n_layers)
+    except (zstandard.ZstdError, ValueError, TypeError) as e:
+        raise DataError(f"cannot decode a fp8-zstd block of {num_tokens}x{width}: {e}") from None
+    m = q.shape[0]
+    if (
+        q.dtype != torch.uint8
+        or q.shape != (m, width)
+        or scales.shape != (m, n_layers)
+        or m > num_tokens
+    ):
+        raise ValueError(
+            f"q {q.dtype} {tuple(q.shape)} and scales {tuple(scales.shape)}; expected uint8 "
+            f"(<= {num_tokens}, {width}) and float32 (same, {n_layers})"
+        )
+    q.numpy()[:] = raw[:m]
+    scales.numpy()[:] = s[:m]
+
+
+def dequantize_fp8(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """bf16 (..., width) of e4m3 bytes q (..., width) uint8 and float32 scales (..., n_layers),
+    on whatever device holds them: float32(q) * scale rounded to bf16, bit for bit what
+    `decode` gives."""
+    x = q.view(torch.float8_e4m3fn).float().unflatten(-1, (scales.shape[-1], -1))
+    return (x * scales[..., None]).flatten(-2).to(torch.bfloat16)
+
+
+@functools.cache
+def _fp8_tables() -> tuple[np.ndarray, np.ndarray]:
+    """float32 values of the 256 e4m3 bytes (256,), and of every byte pair read as a
+    little-endian uint16 (65536, 2). Exact: every e4m3 value is a float32, so a lookup equals
+    torch's cast (NaN bytes included)."""
+    single = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float().numpy()
+    pairs = np.arange(65536, dtype=np.uint32)
+    return single, np.stack([single[pairs & 0xFF], single[pairs >> 8]], axis=1)
+
+
+def _fp8_to_float32(raw: np.ndarray) -> np.ndarray:
+    """e4m3 bytes (k,) -> a new float32 array (k,) by table lookup: on one CPU core about 3x
+    torch's fp8 -> float32 cast; two bytes per lookup where k is even (a 512 KB table)."""
+    single, pairs = _fp8_tables()
+    if raw.size % 2:
+        return np.take(single, raw)
+    return np.take(pairs, raw.view("<u2"), axis=0).reshape(-1)
+
+
 def decode(
     enc: Encoded,
     codec: str,
@@ -159,13 +227,11 @@ def decode(
             np.bitwise_or(dst, low[:m], out=dst)
             return out
         if codec == "fp8-zstd":
-            raw = np.frombuffer(_decompressor().decompress(enc.hidden), dtype=np.uint8).copy()
-            if raw.size != n:
-                raise ValueError(f"the block holds {raw.size} bytes, expected {n}")
-            q = torch.from_numpy(raw).view(torch.float8_e4m3fn).view(num_tokens, n_layers, -1)
-            scales = torch.from_numpy(np.frombuffer(enc.scales, dtype=np.float32).copy())
-            x = q.float() * scales.view(num_tokens, n_layers, 1)
-            out.copy_(x.view(num_tokens, width)[: out.shape[0]])
+            raw, scales = _fp8_parts(enc, num_tokens, width, n_layers)
+            rows = out.shape[0]  # only the tokens asked for are dequantized
+            x = _fp8_to_float32(raw[:rows].reshape(-1)).reshape(rows, n_layers, -1)
+            np.multiply(x, scales[:rows, :, None], out=x)
+            out.copy_(torch.from_numpy(x).view(rows, width))  # float32 -> bf16, rounded
             return out
     except (zstandard.ZstdError, ValueError, TypeError) as e:
         raise DataError(f"cannot decode a {codec} block of {num_tokens}x{width}: {e}") from None

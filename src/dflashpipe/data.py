@@ -10,6 +10,12 @@ pure function of (seed, epoch, lengths, rank, world size), so a run resumes mid-
 (epoch, micro-batch index) alone. With soft targets (train.distill_weight > 0) each position also
 carries the target's top-k next-token ids and log-probs (`topk_ids`, `topk_logprobs`: (tokens,
 k)); every shard must have them.
+
+`quantized=True` (the train stage on a GPU): a pack whose samples all come from fp8-zstd shards
+carries the stored e4m3 bytes and scales (`target_fp8` (tokens, n_layers*H) uint8,
+`target_scales` (tokens, n_layers) float32) instead of `target_hidden`, and `to_device`
+dequantizes them on the device: the workers only decompress, and half the bytes cross to the
+GPU. The result is bit for bit the bf16 a worker would have made.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, get_worker_info
 
 from dflashpipe.anchors import sample_anchors
+from dflashpipe.codecs import dequantize_fp8
 from dflashpipe.errors import DataError
 from dflashpipe.shards import FeatureShard
 
@@ -131,10 +138,12 @@ class PackedBatches(Dataset):
     """Map-style: item k = micro-batch k of this rank's plan, decoded and packed (in workers)."""
 
     def __init__(self, shard_paths: list[Path], samples: list[Sample], plan: list[list[int]],
-                 tokens: int, anchors: int, seed: int, epoch: int, topk: int = 0):  # fmt: skip
+                 tokens: int, anchors: int, seed: int, epoch: int, topk: int = 0,
+                 quantized: bool = False):  # fmt: skip
         self.paths, self.samples, self.plan = shard_paths, samples, plan
         self.tokens, self.anchors, self.seed, self.epoch = tokens, anchors, seed, epoch
         self.topk = topk  # 0: soft targets are not read
+        self.quantized = quantized  # fp8 packs stay e4m3 bytes + scales (module docstring)
         self._shards: dict[int, FeatureShard] = {}  # opened lazily, once per worker process
 
     def __len__(self) -> int:
@@ -152,8 +161,16 @@ class PackedBatches(Dataset):
         docs = torch.full((T,), -1, dtype=torch.long)
         mask = torch.zeros(T, dtype=torch.long)
         first = self._shard(self.samples[self.plan[k][0]].shard).info
+        width, n_layers = len(first.layer_ids) * first.hidden_size, len(first.layer_ids)
+        quantized = self.quantized and all(
+            self._shard(self.samples[i].shard).info.codec == "fp8-zstd" for i in self.plan[k]
+        )
         # each sample decodes straight into its rows of the batch; only the padding is zeroed
-        hidden = _batch_tensor((T, len(first.layer_ids) * first.hidden_size), torch.bfloat16)
+        if quantized:
+            q = _batch_tensor((T, width), torch.uint8)
+            scales = _batch_tensor((T, n_layers), torch.float32)
+        else:
+            hidden = _batch_tensor((T, width), torch.bfloat16)
         soft = {}
         if self.topk:  # padding's soft targets are never read (no label there); zeros are finite
             soft = {"topk_ids": torch.zeros(T, self.topk, dtype=torch.int32),
@@ -162,7 +179,11 @@ class PackedBatches(Dataset):
         for d, i in enumerate(self.plan[k]):
             sample = self.samples[i]
             n = sample.length
-            row = self._shard(sample.shard).sample(sample.row, out=hidden[at : at + n])
+            shard = self._shard(sample.shard)
+            if quantized:
+                row = shard.sample_quantized(sample.row, q[at : at + n], scales[at : at + n])
+            else:
+                row = shard.sample(sample.row, out=hidden[at : at + n])
             ids[at : at + n] = row["input_ids"][:n]
             mask[at : at + n] = row["loss_mask"][:n]
             pos[at : at + n] = torch.arange(n)
@@ -171,15 +192,20 @@ class PackedBatches(Dataset):
                 t[at : at + n] = row[key][:n]
             names.append(row["sample_id"])
             at += n
-        hidden[at:] = 0
+        if quantized:
+            q[at:], scales[at:] = 0, 0
+            states = {"target_fp8": q, "target_scales": scales}
+        else:
+            hidden[at:] = 0
+            states = {"target_hidden": hidden}
         anchors, keep = sample_anchors(mask, docs, names, num_anchors=self.anchors,
                                        budget=self.anchors, seed=self.seed, epoch=self.epoch)  # fmt: skip
         # which samples are in the pack (fixed length, for naming them if the loss turns NaN)
         sample_index = torch.full((MAX_DOCS,), -1, dtype=torch.long)
         sample_index[: min(MAX_DOCS, len(self.plan[k]))] = torch.tensor(self.plan[k][:MAX_DOCS])
         return {"input_ids": ids, "position_ids": pos, "document_ids": docs, "loss_mask": mask,
-                "target_hidden": hidden, "anchors": anchors, "keep": keep,
-                "sample_index": sample_index, **soft}  # fmt: skip
+                **states, "anchors": anchors, "keep": keep, "sample_index": sample_index,
+                **soft}  # fmt: skip
 
 
 def _batch_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -191,6 +217,15 @@ def _batch_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype)
     storage = new_shared(math.prod(shape) * dtype.itemsize)
     return torch.empty(0, dtype=dtype).set_(storage, 0, shape)
+
+
+def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """A micro-batch on `device` with `target_hidden` in bf16 (a quantized pack's e4m3 bytes and
+    scales dequantized there)."""
+    b = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
+    if "target_fp8" in b:
+        b["target_hidden"] = dequantize_fp8(b.pop("target_fp8"), b.pop("target_scales"))
+    return b
 
 
 def make_loader(dataset: PackedBatches, start: int, workers: int, pin: bool) -> DataLoader:

@@ -20,7 +20,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
-from dflashpipe.codecs import CODECS, Encoded, decode, decode_topk
+from dflashpipe.codecs import CODECS, Encoded, decode, decode_fp8_undequantized, decode_topk
 from dflashpipe.errors import DataError, IntegrityError
 from dflashpipe.storage import cached_sha256
 
@@ -180,13 +180,35 @@ class FeatureShard:
         tokens are decoded into `out`, which becomes `hidden`. The encoded block is read straight
         from the memory-mapped file. A shard with soft targets gives `topk_ids` (T, k) int32 and
         `topk_logprobs` (T, k) float16 too."""
-        row = self.table.select(self._small).slice(i, 1).to_pylist()[0]
+        row, enc = self._row(i)
         n_layers = len(self.info.layer_ids)
-        enc = Encoded(self._hidden_buffer(i), row["hidden_split"], row["scales"])
         row["hidden"] = decode(
             enc, self.info.codec, row["num_tokens"], n_layers * self.info.hidden_size, n_layers,
             out=out,
         )  # fmt: skip
+        return row
+
+    def sample_quantized(self, i: int, q: torch.Tensor, scales: torch.Tensor) -> dict:
+        """Row i of an fp8-zstd shard with its first m tokens' e4m3 bytes written into q (m,
+        n_layers * H) uint8 and their scales into `scales` (m, n_layers) float32, not dequantized
+        (codecs.dequantize_fp8 finishes them on the training device); `hidden` is None."""
+        if self.info.codec != "fp8-zstd":
+            raise ValueError(f"{self.path}: codec {self.info.codec}, not fp8-zstd")
+        row, enc = self._row(i)
+        n_layers = len(self.info.layer_ids)
+        try:
+            decode_fp8_undequantized(enc, row["num_tokens"], n_layers * self.info.hidden_size,
+                                     n_layers, q, scales)  # fmt: skip
+        except DataError as e:
+            raise DataError(f"{self.path}, row {i}: {e}") from None
+        row["hidden"] = None
+        return row
+
+    def _row(self, i: int) -> tuple[dict, Encoded]:
+        """Row i's small columns (input_ids, loss_mask as tensors; soft targets decoded) and its
+        encoded hidden block."""
+        row = self.table.select(self._small).slice(i, 1).to_pylist()[0]
+        enc = Encoded(self._hidden_buffer(i), row["hidden_split"], row["scales"])
         row["input_ids"] = torch.tensor(row["input_ids"], dtype=torch.int32)
         row["loss_mask"] = torch.tensor(row["loss_mask"], dtype=torch.uint8)
         if self.info.topk:
@@ -196,7 +218,7 @@ class FeatureShard:
                 )
             except DataError as e:
                 raise DataError(f"{self.path}, row {i}: {e}") from None
-        return row
+        return row, enc
 
     def _hidden_buffer(self, i: int) -> pa.Buffer:
         """Row i's encoded block as a zero-copy slice of the mapped file (to_pylist would copy

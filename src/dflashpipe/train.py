@@ -40,6 +40,7 @@ from dflashpipe.data import (
     make_loader,
     split_validation,
     subset,
+    to_device,
 )
 from dflashpipe.errors import DataError
 from dflashpipe.export import save_drafter
@@ -169,6 +170,8 @@ class Trainer:
         self.world = dist.get_world_size() if dist.is_initialized() else 1
         self.manifest = read_manifest(Path(manifest_path))
         self.topk = soft_targets_of(Path(manifest_path), self.manifest, self.tc.distill_weight)
+        # on a GPU, fp8 packs cross as e4m3 bytes and are dequantized there (data.to_device)
+        self.quantized = device.type == "cuda"
         own = [Path(s["path"]) for s in self.manifest["shards"]]
         extra = [extra_features(Path(p), self.manifest, self.topk) for p in self.tc.extra_features]
         # every shard beside the manifest that vouches for it; the stage's own come first
@@ -345,7 +348,7 @@ class Trainer:
             )
 
     def micro_step(self, batch: dict, sync: bool) -> tuple[torch.Tensor, dict]:
-        b = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+        b = to_device(batch, self.device)
         if self.fsdp:
             self.model.set_requires_gradient_sync(sync)  # accumulate locally until the last
             ctx = nullcontext()
@@ -370,7 +373,7 @@ class Trainer:
                 self.samples, self.tokens, self.tc.seed, self.epoch, self.rank, self.world
             )
             dataset = PackedBatches(self.shards, self.samples, plan, self.tokens, self.tc.num_anchors,
-                                    self.tc.seed, self.epoch, self.topk)  # fmt: skip
+                                    self.tc.seed, self.epoch, self.topk, self.quantized)  # fmt: skip
             loader = make_loader(
                 dataset, self.micro, self.tc.num_workers, self.device.type == "cuda"
             )
@@ -413,10 +416,11 @@ class Trainer:
         micro-batches and anchors every time), reduced over ranks."""
         B = self.dcfg.block_size
         data = PackedBatches(self.shards, self.val_samples, self._val_plan, self.tokens,
-                             self.tc.num_anchors, self.tc.seed, epoch=0, topk=self.topk)  # fmt: skip
+                             self.tc.num_anchors, self.tc.seed, epoch=0, topk=self.topk,
+                             quantized=self.quantized)  # fmt: skip
         vec = torch.zeros(2 * B - 1, device=self.device)  # loss sum, correct (B-1), labels (B-1)
         for batch in make_loader(data, 0, workers=0, pin=False):
-            b = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+            b = to_device(batch, self.device)
             loss, m = forward_loss(self.model, self.head, b, B, self.gamma, self.tc.distill_weight,
                                    self.rank_term)  # fmt: skip
             vec += torch.cat([loss.detach()[None], m["slot_accuracy"] * m["slot_labels"],
