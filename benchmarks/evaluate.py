@@ -12,6 +12,11 @@
                 its clock starts), then every prompt timed: ms/step = decode_s / steps, median
       check     engine.captures == 1 per step kind after every prompt: no recapture when the
                 prompt length changes (raises otherwise)
+      profile   --profile N: each step kind replayed N times under torch.profiler: device
+                kernels per step, their summed time (GPU busy) against the wall time per step
+    --block (default 16; the quality recipe's drafter: 8) and --capacity (the engine's slots;
+    evaluate sizes them by its longest prompt: 784 on the quality recipe's eval prompts) match a
+    run's shapes.
     -> markdown table: ms/step, x the same loop's target step, x the eager target step; JSON --out
 
 Random weights never emit a stop token and a random drafter is almost never accepted (tau ~1),
@@ -22,6 +27,8 @@ a DFlash step <= 1.3 target steps. Run it as the only process on the GPU: a step
 
     PYTHONPATH=src python benchmarks/evaluate.py --shapes smollm2 qwen3-8b --no-compile-too \\
         --out $OUT/evaluate.json
+    PYTHONPATH=src python benchmarks/evaluate.py --shapes smollm2 --block 8 --capacity 784 \\
+        --budgets 16 32 --profile 20 --out $OUT/steps.json   # the quality run's shapes
     python benchmarks/evaluate.py --smoke --shapes smollm2 qwen3-8b --out /tmp/smoke.json  # CPU
 
 Figures go to benchmarks/RESULTS.md.
@@ -52,7 +59,6 @@ from dflashpipe.speculative import (
     speculative_decode,
 )
 
-BLOCK = 16
 DRAFTER_LAYERS = 5
 # --smoke: tiny shapes on the CPU that still take every code path (graphs are CUDA-only).
 SMOKE = dict(num_hidden_layers=4, hidden_size=64, intermediate_size=128, num_attention_heads=4,
@@ -91,7 +97,7 @@ def say(*what) -> None:
     print(time.strftime("%H:%M:%S"), *what, flush=True)
 
 
-def build(shape: Shape, device: torch.device, dtype: torch.dtype, smoke: bool):
+def build(shape: Shape, device: torch.device, dtype: torch.dtype, smoke: bool, block: int):
     """Random target and drafter, created on `device` in `dtype` (an 8B model initialized on the
     CPU takes minutes, and in float32 twice the memory)."""
     sizes = shape.sizes | (SMOKE if smoke else {})
@@ -104,7 +110,7 @@ def build(shape: Shape, device: torch.device, dtype: torch.dtype, smoke: bool):
             model.config,
             mask_token_id=0,
             num_layers=2 if smoke else DRAFTER_LAYERS,
-            block_size=BLOCK,
+            block_size=block,
             target_layer_ids=taps,
         )
         drafter = Drafter.from_target_model(cfg, model)  # shares the target's embedding, head
@@ -171,13 +177,59 @@ def measure_engine(model, drafter, graphs: bool, compile: bool, max_len: int, pr
         )
     rows = {f"{label} {m}": time_method(f"{label} {m}", fn, prompts) for m, fn in methods.items()}
     captures = check_captures(engine, label, prompts)
+    shortest = min(prompts, key=len)
+    steps = list(engine.steps) if args.profile else []
+    profiles = {k: profile_step(engine, k, shortest, args.profile) for k in steps}
     say(f"  {label} captures per step kind: {captures}; {time.perf_counter() - t0:.0f} s in all "
         "(compilation and capture included)")  # fmt: skip
-    return label, rows, captures
+    return label, rows, captures, profiles
+
+
+def profile_step(engine: Engine, kind: str, prompt: list[int], replays: int) -> dict:
+    """One step kind replayed `replays` times after a prefill of `prompt`, each followed by a
+    sync (the loop's one read-back), under torch.profiler: device kernels per step, their
+    summed time per step (GPU busy) against the wall time per step, and the kernels taking the
+    most of it. Busy well below wall: the device waits on launches or the host."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = engine.device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    engine._capture([kind])
+    with torch.no_grad():
+        engine._prefill(prompt, taps=engine.drafter is not None)
+    engine._run(kind)  # one untimed replay
+    if cuda:
+        torch.cuda.synchronize()
+    with profile(activities=activities) as prof:
+        t = time.perf_counter()
+        for _ in range(replays):
+            engine._run(kind)
+            if cuda:
+                torch.cuda.synchronize()
+        wall = (time.perf_counter() - t) / replays
+    device_type = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
+    kernels = [
+        e for e in prof.events()
+        if e.device_type == device_type and (cuda or e.name.startswith("aten::"))
+    ]  # fmt: skip
+    per_name: dict[str, float] = {}
+    for e in kernels:  # a device kernel's own duration (on the CPU: the op's, nested included)
+        per_name[e.name] = per_name.get(e.name, 0.0) + e.time_range.elapsed_us()
+    top = sorted(per_name.items(), key=lambda kv: -kv[1])[:12]
+    row = {
+        "kernels_per_step": len(kernels) / replays,
+        "busy_us_per_step": sum(per_name.values()) / replays if cuda else None,
+        "wall_us_per_step": wall * 1e6,
+        "top_kernels_us_per_step": {n: t / replays for n, t in top},
+    }
+    busy = f"{row['busy_us_per_step']:.0f}" if cuda else "-"
+    say(f"  profile {kind:<14}{row['kernels_per_step']:6.0f} kernels/step, busy {busy} us, "
+        f"wall {row['wall_us_per_step']:.0f} us per step")  # fmt: skip
+    return row
 
 
 def measure_shape(name: str, args, device: torch.device, dtype: torch.dtype) -> dict:
-    model, drafter, taps = build(SHAPES[name], device, dtype, args.smoke)
+    model, drafter, taps = build(SHAPES[name], device, dtype, args.smoke, args.block)
     prompts = make_prompts(args.prompt_lens, args.prompts, model.config.vocab_size)
     new = args.new_tokens
     params = sum(p.numel() for p in model.parameters()) / 1e6
@@ -196,14 +248,18 @@ def measure_shape(name: str, args, device: torch.device, dtype: torch.dtype) -> 
     }
     target.close()  # its hooks would fire in no engine step, but keep the model bare
     # prompt + new tokens + the widest step's slots past T (a block, or a tree and its root)
-    max_len = max(args.prompt_lens) + new + max(BLOCK, max(args.budgets) + 1)
+    max_len = max(args.prompt_lens) + new + max(args.block, max(args.budgets) + 1)
+    if args.capacity:  # evaluate sizes its buffers by its longest prompt (784 slots, quality)
+        if args.capacity < max_len:
+            raise SystemExit(f"--capacity {args.capacity} is below the {max_len} slots needed")
+        max_len = args.capacity
     cuda = device.type == "cuda"
     settings = [(cuda, cuda)]  # (graphs, compile): the engine's defaults
     settings += [(True, False)] if args.no_compile_too and cuda else []
     settings += [(False, False)] if args.no_graphs_too and cuda else []
-    captures, loops = {}, []
+    captures, profiles, loops = {}, {}, []
     for graphs, compile in settings:
-        label, engine_rows, captures[label] = measure_engine(
+        label, engine_rows, captures[label], profiles[label] = measure_engine(
             model, drafter, graphs, compile, max_len, prompts, args
         )
         rows |= engine_rows
@@ -215,6 +271,7 @@ def measure_shape(name: str, args, device: torch.device, dtype: torch.dtype) -> 
         "max_len": max_len,
         "methods": rows,
         "captures": captures,
+        "profiles": profiles,  # per engine, per step kind (--profile)
         "goals": goals(name, rows, loops[0]),
     }
     if device.type == "cuda":
@@ -265,6 +322,15 @@ def report(res: dict, shapes: list[str]) -> None:
         for method, r in res[name]["methods"].items():
             print(f"| {name} | {method} | {r['ms_per_step']:.2f} | {r['x_target_step']:.2f} "
                   f"| {r['x_eager_target_step']:.3f} |")  # fmt: skip
+    rows = [(n, e, k, p) for n in shapes for e, kinds in res[n]["profiles"].items()
+            for k, p in kinds.items()]  # fmt: skip
+    if rows:
+        print("\n| shape | engine | step kind | kernels/step | GPU busy us/step | wall us/step |")
+        print("|---|---|---|---:|---:|---:|")
+        for name, engine, kind, p in rows:
+            busy = "-" if p["busy_us_per_step"] is None else f"{p['busy_us_per_step']:.0f}"
+            print(f"| {name} | {engine} | {kind} | {p['kernels_per_step']:.0f} | {busy} "
+                  f"| {p['wall_us_per_step']:.0f} |")  # fmt: skip
 
 
 def main() -> None:
@@ -275,6 +341,20 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--budgets", type=int, nargs="+", default=[16, 32, 64, 128])
     ap.add_argument("--top-k", type=int, default=8)
+    ap.add_argument("--block", type=int, default=16, help="drafter block size (quality: 8)")
+    ap.add_argument(
+        "--capacity",
+        type=int,
+        default=0,
+        help="engine max_len (0: what the prompts need; quality's evaluate: 784)",
+    )
+    ap.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also profile N replays of each step kind: kernels and GPU busy time",
+    )
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--no-graphs-too", action="store_true", help="also an engine without graphs")
     ap.add_argument(
