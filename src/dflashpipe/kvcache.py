@@ -216,8 +216,7 @@ def drafter_inputs(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, list[Tensor]]:  # fmt: skip
     """A draft's inputs to the drafter's layers for the block [anchor (1,), mask_ids (B-1,)]
     anchored at position T = length: embeddings (B, H), slots T..T+B-1 (B,), their RoPE rows
-    (B, D), and
-    per entry of `windows` (None: full attention) the folded SDPA form of
+    (B, D), and per entry of `windows` (None: full attention) the folded SDPA form of
     masks.block_mask_mod: context j < T, every slot of the block; a window measures from the
     query's position T+k and is causal inside the block."""
     block = torch.cat([anchor, mask_ids])  # (B,)
