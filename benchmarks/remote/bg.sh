@@ -7,6 +7,10 @@
 # MAIN_TARGET=extract stops main at its features (when only a variant's drafter is wanted).
 # Answers kept from an earlier machine (mon.sh KEEP=..., carried as .remote/k*/ and gathered by
 # setup.sh in /tmp/xfer) are restored into their runs first (quality.py --restore).
+# After those: ALONE="code ..." runs each listed variant on to `all`, one at a time with nothing
+# beside it (its evaluate's speeds are timing-grade: e.g. code:train above, then ALONE=code), and
+# STEPS="--block 8 --capacity 784 ..." runs benchmarks/evaluate.py alone with those arguments
+# into /tmp/q/steps.json (mon.sh returns it); then ALLDONE.
 cd "$(dirname "$0")/../.." && . benchmarks/remote/setup.sh >/dev/null
 mkdir -p /tmp/q
 M=/tmp/runs/quality-main/results
@@ -28,4 +32,10 @@ for spec in "$@"; do   # VARIANT or VARIANT:TARGET (e.g. block16:train: no evalu
    python3 benchmarks/quality.py $v --runs /tmp/runs --target $target $EXTRA > /tmp/q/$v.out 2>&1) &
 done
 wait
+for v in ${ALONE:-}; do
+  python3 benchmarks/quality.py $v --runs /tmp/runs --target all $EXTRA > /tmp/q/$v-alone.out 2>&1
+done
+if [ -n "${STEPS:-}" ]; then
+  python3 benchmarks/evaluate.py --shapes smollm2 $STEPS --out /tmp/q/steps.json > /tmp/q/steps.out 2>&1
+fi
 touch /tmp/q/ALLDONE

@@ -2,7 +2,7 @@
 # bash benchmarks/remote/mon.sh SECONDS: the background quality runs' status every 60 s until all
 # are done or SECONDS pass; then the table, and their small files bundled into $OUT/q.tar.gz.
 # KEEP="main code-answers" also brings those runs' regenerated answers back in $OUT (parts of
-# <= 15 MB in /tmp/q/keep, quality.py --keep; the first 5 beside the three other files it
+# <= 15 MB in /tmp/q/keep, quality.py --keep; the first 4 beside the (up to four) other files it
 # returns, the rest named for a later call to copy).
 cd "$(dirname "$0")/../.." && . benchmarks/remote/setup.sh >/dev/null
 end=$((SECONDS + $1))
@@ -26,8 +26,9 @@ done
 status
 python3 benchmarks/quality.py --table --runs /tmp/runs --out $OUT/rows.json --bundle $OUT/q.tar.gz
 cat /tmp/q/*.out > $OUT/drivers.out 2>/dev/null
-if [ -n "${KEEP:-}" ]; then   # a call returns 8 files: 5 parts here, the rest on later calls
+[ -f /tmp/q/steps.json ] && cp /tmp/q/steps.json $OUT/  # bg.sh STEPS=...
+if [ -n "${KEEP:-}" ]; then   # a call returns 8 files: 4 parts here, the rest on later calls
   python3 benchmarks/quality.py $KEEP --runs /tmp/runs --table --keep /tmp/q/keep >/dev/null
-  ls /tmp/q/keep | head -5 | while read -r f; do cp /tmp/q/keep/$f $OUT/; done
-  ls /tmp/q/keep | tail -n +6 | sed 's/^/mon.sh: not returned yet, copy on a later call: \/tmp\/q\/keep\//'
+  ls /tmp/q/keep | head -4 | while read -r f; do cp /tmp/q/keep/$f $OUT/; done
+  ls /tmp/q/keep | tail -n +5 | sed 's/^/mon.sh: not returned yet, copy on a later call: \/tmp\/q\/keep\//'
 fi
