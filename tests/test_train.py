@@ -351,35 +351,77 @@ def test_checkpoint_of_another_drafter_is_refused(tmp_path, tiny_features):
         Trainer(Config.from_dict(raw), tiny_features["manifest"], out / "run", torch.device("cpu"))
 
 
-def test_nan_loss_stops_with_the_samples_and_keeps_the_last_good_checkpoint(
-    tmp_path, tiny_features
-):
-    """A shard whose hidden states hold an inf (extract would have skipped it; here it is
-    written by hand) makes the loss non-finite: training stops naming the step and samples."""
+def _rewrite_shards(out, tiny_features, codec: str | None = None, edit=None):
+    """tiny_features' shards written again into `out` (another codec, or states changed by
+    edit(shard, row, hidden)) with their manifest; returns the manifest's path."""
+    import dataclasses
+
     import pyarrow as pa
 
     from dflashpipe.codecs import encode
     from dflashpipe.shards import FeatureShard, build_manifest, feature_row, record_batch
     from dflashpipe.storage import write_json
 
+    out.mkdir(parents=True, exist_ok=True)
     paths = []
     for i, src in enumerate(tiny_features["shards"]):
         shard = FeatureShard(src)
+        info = dataclasses.replace(shard.info, codec=codec or shard.info.codec)
         rows = []
         for k in range(len(shard)):
             r = shard.sample(k)
-            if i == 1 and k == 3:
-                r["hidden"][5] = float("inf")
-            enc = encode(r["hidden"], shard.info.codec, 2)
+            if edit is not None:
+                edit(i, k, r["hidden"])
+            enc = encode(r["hidden"], info.codec, len(info.layer_ids))
             rows.append(
                 feature_row(r["sample_id"], r["input_ids"].tolist(), r["loss_mask"].tolist(), enc)
             )
-        dest = tmp_path / src.name
-        schema = record_batch(rows).schema.with_metadata(shard.info.metadata())
+        dest = out / src.name
+        schema = record_batch(rows).schema.with_metadata(info.metadata())
         with pa.OSFile(str(dest), "wb") as sink, pa.ipc.new_file(sink, schema) as w:
             w.write_batch(record_batch(rows))
         paths.append(dest)
-    write_json(tmp_path / "manifest.json", build_manifest(paths))
+    write_json(out / "manifest.json", build_manifest(paths))
+    return out / "manifest.json"
+
+
+def test_fp8_packs_dequantized_on_the_device_train_the_same(tmp_path, tiny_features):
+    """On a GPU the trainer keeps fp8 packs as e4m3 bytes + scales and dequantizes them after
+    the move (Trainer.quantized): the same weights and held-out figures as decoding them in the
+    loader's workers. Here on the CPU, quantized forced on and off."""
+    from dflashpipe.data import PackedBatches, epoch_plan
+
+    manifest = _rewrite_shards(tmp_path / "fp8", tiny_features, "fp8-zstd")
+    raw = json.loads(json.dumps(tiny_features["raw"]))
+    raw["train"].update(max_steps=2, log_every=1, val_samples=4, num_workers=1)
+    results = []
+    for quantized in (False, True):
+        trainer = Trainer(Config.from_dict(raw), manifest, tmp_path / f"run-{quantized}",
+                          torch.device("cpu"))  # fmt: skip
+        assert trainer.quantized is False  # the CPU default
+        trainer.quantized = quantized
+        plan = epoch_plan(trainer.samples, trainer.tokens, 0, 0, 0, 1)
+        batch = PackedBatches(trainer.shards, trainer.samples, plan, trainer.tokens, 16, 0, 0,
+                              quantized=trainer.quantized)[0]  # fmt: skip
+        assert ("target_fp8" in batch) is quantized
+        trainer.train()
+        weights = [p.detach().clone() for p in trainer.drafter.parameters()]
+        results.append((trainer.validate(), weights))
+    assert results[0][0] == results[1][0]
+    assert all(torch.equal(a, b) for a, b in zip(results[0][1], results[1][1], strict=True))
+
+
+def test_nan_loss_stops_with_the_samples_and_keeps_the_last_good_checkpoint(
+    tmp_path, tiny_features
+):
+    """A shard whose hidden states hold an inf (extract would have skipped it; here it is
+    written by hand) makes the loss non-finite: training stops naming the step and samples."""
+
+    def inf_in_one_sample(shard: int, row: int, hidden: torch.Tensor) -> None:
+        if (shard, row) == (1, 3):
+            hidden[5] = float("inf")
+
+    _rewrite_shards(tmp_path, tiny_features, edit=inf_in_one_sample)
     raw = json.loads(json.dumps(tiny_features["raw"]))
     raw["train"].update(checkpoint_every=1, log_every=1)
     trainer = Trainer(
