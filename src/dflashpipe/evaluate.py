@@ -242,9 +242,9 @@ def decode_and_check(
             )
     finally:
         timed.close()
-    checked = [m for m in main if m == "target" or m == "dflash" or m.startswith("ddtree@")]
     if not ev.lossless_check:
         return main, {}, timed.info(), swept
+    checked = [m for m in main if m == "target" or m == "dflash" or m.startswith("ddtree@")]
     if model.dtype == torch.float32:
         return main, {m: main[m] for m in checked}, timed.info(), swept
     # bf16 rounds a block forward and one-token forwards differently, so near-tied argmaxes
