@@ -122,6 +122,14 @@ def test_metrics_json(tiny_target_dir, target_config, eval_table, tmp_path):
     for source, tau in lookup["per_source"].items():
         assert lookup["timed_per_source"][source] >= tau - 1e-9  # replay: a lower bound
     assert methods["dflash"]["acceptance_length"] == metrics["acceptance_length"]
+    # pooled over steps: speedup = tokens per step / step cost, each from the responses
+    assert methods["target"]["tokens_per_step"] == methods["target"]["step_cost"] == 1.0
+    new_tokens = sum(r["new_tokens"] - 1 for r in metrics["responses"])
+    assert methods["dflash"]["tokens_per_step"] == pytest.approx(
+        new_tokens / metrics["verify_steps"]
+    )
+    for m, row in [*methods.items(), *metrics["ddtree"].items()]:
+        assert row["speedup"] == pytest.approx(row["tokens_per_step"] / row["step_cost"]), m
     assert methods["dflash"]["lossless_fraction"] == 1.0
     assert {m["engine"] for m in methods.values()} == {"static"}
     assert methods["prompt_lookup"]["speedup_against"] == lookup["speedup_against"] == "target"

@@ -57,9 +57,15 @@ def method_summary(results: list[Decoded], num_positions: int) -> dict:
         a, p = r.position_counts(num_positions)
         accepted = [x + y for x, y in zip(accepted, a, strict=True)]
         proposed = [x + y for x, y in zip(proposed, p, strict=True)]
+    tokens = sum(r.decode_tokens for r in results)
+    steps = sum(len(r.accepted_lengths) or r.decode_tokens for r in results)  # greedy: 1 per token
     return {
         "acceptance_length": _mean(taus),
-        "decode_tokens_per_s": sum(r.decode_tokens for r in results) / decode_s if decode_s else 0,
+        "decode_tokens_per_s": tokens / decode_s if decode_s else 0,
+        # Pooled over all steps, unlike tau (the mean of per-prompt means): decode tokens per
+        # step and seconds per step, so that speedup = tokens_per_step / step_cost exactly.
+        "tokens_per_step": tokens / steps if steps else None,
+        "seconds_per_step": decode_s / steps if steps else None,
         "tokens_per_s": sum(len(r.output_ids) for r in results) / wall_s if wall_s else 0,
         "verify_steps": sum(len(r.accepted_lengths) for r in results),
         "per_position_acceptance": [
@@ -95,6 +101,14 @@ def _speedup(results: list[Decoded], base: list[Decoded]) -> float | None:
     return method_summary(results, 0)["decode_tokens_per_s"] / base_speed if base_speed else None
 
 
+def _step_cost(row: dict, base: dict) -> float | None:
+    """A method's mean step in target-only steps (one token each): what a speculative step must
+    stay under for its tokens per step to become speed."""
+    if row["seconds_per_step"] is None or not base["seconds_per_step"]:
+        return None
+    return row["seconds_per_step"] / base["seconds_per_step"]
+
+
 def method_rows(
     prompts: list[tuple[dict, list[int]]], main: dict[str, list[Decoded]],
     lossless: dict[str, list[Decoded]], engine: str,
@@ -102,6 +116,7 @@ def method_rows(
     """(metrics' `methods`, `ddtree` per budget): tau, decode speed, speedup against the
     target-only of the same engine and float32 losslessness."""
     methods, trees = {}, {}
+    base = method_summary(main["target"], 0)
     for m, results in main.items():
         row = method_summary(results, 0)
         entry = {
@@ -110,6 +125,8 @@ def method_rows(
             "decode_tokens_per_s": row["decode_tokens_per_s"],
             "speedup": _speedup(results, main["target"]),
             "speedup_against": "target",
+            "tokens_per_step": row["tokens_per_step"],
+            "step_cost": _step_cost(row, base),
         }
         if m in lossless and m != "target":
             same = _identical(lossless["target"], lossless[m])

@@ -106,8 +106,8 @@ def plot_ddtree(evaluation: dict, dest: Path) -> None:
     _save(fig, dest)
 
 
-def _fmt(x: float | None) -> str:
-    return "-" if x is None else f"{x:.3f}"
+def _fmt(x: float | None, digits: int = 3) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
 
 
 def _held_out(rows: list[dict]) -> str:
@@ -154,12 +154,17 @@ def methods_table(evaluation: dict) -> str:
     rows += [(f"DDTree, {n} nodes", r) for n, r in evaluation.get("ddtree", {}).items()]
     lines = [
         f"| {name} | {r['engine']} | {_fmt(r['acceptance_length'])} | "
+        f"{_fmt(r.get('tokens_per_step'))} | {_fmt(r.get('step_cost'), 2)} | "
         f"{r['decode_tokens_per_s']:.1f} | {_speed(r['speedup'])} vs {r['speedup_against']} | "
         f"{_fmt(r.get('lossless_fraction'))} |"
         for name, r in rows
     ]
-    head = "| method | engine | tau | decode tokens/s | speedup | lossless (float32) |\n"
-    return head + "|---|---|---|---|---|---|\n" + "\n".join(lines)
+    head = ("| method | engine | tau | tokens per step | step (target steps) | decode tokens/s | "
+            "speedup | lossless (float32) |\n")  # fmt: skip
+    note = ("\n\ntau is the mean of the prompts' acceptance lengths; tokens per step pools every "
+            "step of every prompt, and step is a method's mean step in target-only steps, so "
+            "speedup = tokens per step / step.")  # fmt: skip
+    return head + "|---|---|---|---|---|---|---|---|\n" + "\n".join(lines) + note
 
 
 def _features(manifest: dict) -> str:
