@@ -98,10 +98,21 @@ def test_methods_and_ddtree_budgets_are_tabled_and_plotted(tmp_path):
         "engine": {"kind": "static", "graphs": True, "compiled": True},
         "methods": {
             "target": row
-            | {"acceptance_length": None, "decode_tokens_per_s": 10.0, "speedup": 1.0,
-               "tokens_per_step": 1.0, "step_cost": 1.0},
-            "dflash": row | {"acceptance_length": 2.5, "speedup": 1.8, "lossless_fraction": 1.0,
-                             "tokens_per_step": 2.34, "step_cost": 1.3},
+            | {
+                "acceptance_length": None,
+                "decode_tokens_per_s": 10.0,
+                "speedup": 1.0,
+                "tokens_per_step": 1.0,
+                "step_cost": 1.0,
+            },
+            "dflash": row
+            | {
+                "acceptance_length": 2.5,
+                "speedup": 1.8,
+                "lossless_fraction": 1.0,
+                "tokens_per_step": 2.34,
+                "step_cost": 1.3,
+            },
             "prompt_lookup": row | {"acceptance_length": 1.9, "speedup": 1.3},
         },  # fmt: skip
         "ddtree": {
@@ -114,7 +125,9 @@ def test_methods_and_ddtree_budgets_are_tabled_and_plotted(tmp_path):
     md = (tmp_path / "r.md").read_text()
     assert "- engine: static, CUDA graphs, compiled steps" in md
     assert "| target only | static | - | 1.000 | 1.00 | 10.0 | 1.00x vs target | - |" in md
-    assert "| DFlash drafter | static | 2.500 | 2.340 | 1.30 | 18.0 | 1.80x vs target | 1.000 |" in md
+    assert (
+        "| DFlash drafter | static | 2.500 | 2.340 | 1.30 | 18.0 | 1.80x vs target | 1.000 |" in md
+    )
     assert "| prompt lookup | static | 1.900 | - | - | 18.0 | 1.30x vs target | - |" in md  # older
     assert "| DDTree, 32 nodes | static | 3.100 | - | - | 18.0 | 1.95x vs target | 1.000 |" in md
     assert "![ddtree](r/ddtree.png)" in md
