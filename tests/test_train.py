@@ -1,6 +1,7 @@
 """The train stage on CPU through torchrun (gloo): export, resume after a kill, refusals."""
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -435,3 +436,27 @@ def test_nan_loss_stops_with_the_samples_and_keeps_the_last_good_checkpoint(
     assert all(
         int(name.split("-")[1]) < trainer.step for name in saved
     )  # nothing saved at or after the NaN
+
+
+def test_the_first_step_says_where_its_time_went(tmp_path, tiny_features, caplog):
+    """Before training's first optimizer step a GPU run compiles for minutes: the trainer logs the
+    wait for the first micro-batch, the step and the compile time in it, once."""
+    import logging
+
+    from dflashpipe.train import compile_seconds
+
+    raw = json.loads(json.dumps(tiny_features["raw"]))
+    raw["train"].update(max_steps=2, log_every=1, val_samples=0, num_workers=0)
+    trainer = Trainer(Config.from_dict(raw), tiny_features["manifest"], tmp_path / "run",
+                      torch.device("cpu"))  # fmt: skip
+    with caplog.at_level(logging.INFO, logger="dflashpipe.train"):
+        trainer.train()
+    said = [r.getMessage() for r in caplog.records if "first optimizer step" in r.getMessage()]
+    assert len(said) == 1 and trainer.step == 2
+    total, waited, took, compiling = map(float, re.findall(r"(\d+\.\d) s", said[0]))
+    assert total == pytest.approx(waited + took, abs=0.11) and compiling <= took + 0.05
+    # the compile time is Dynamo's own account, forward and backward graphs included
+    before = compile_seconds()
+    x = torch.randn(8, requires_grad=True)
+    torch.compile(lambda t: torch.sin(t) * 2 + t, dynamic=False)(x).sum().backward()
+    assert compile_seconds() > before

@@ -162,6 +162,42 @@ def forward_loss(
                        distill_weight=distill_weight, rank_weight=rank[0], rank_k=rank[1])  # fmt: skip
 
 
+class FirstStep:
+    """Where the time before training's first optimizer step goes (a large share of a short
+    run on a GPU, spent compiling): logged once, on rank 0, as the wait for the loader's first
+    micro-batch, the step itself, and the Dynamo and Inductor compile time in it."""
+
+    def __init__(self, step: int, device: torch.device) -> None:
+        self.start, self.step, self.device = time.perf_counter(), step, device
+        self.compiled = compile_seconds()  # cumulative per process: count from here
+        self.waited: float | None = None
+
+    def batch(self) -> None:
+        if self.waited is None:
+            self.waited = time.perf_counter() - self.start
+
+    def done(self, step: int) -> None:
+        if step != self.step + 1 or self.waited is None:
+            return
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        took = time.perf_counter() - self.start - self.waited
+        log.info("first optimizer step after %.1f s: %.1f s waiting for the first micro-batch, "
+                 "%.1f s in the step, of which %.1f s compiling", self.waited + took, self.waited,
+                 took, compile_seconds() - self.compiled)  # fmt: skip
+
+
+def compile_seconds() -> float:
+    """Seconds Dynamo and Inductor have spent compiling in this process, forward and backward
+    graphs (torch._dynamo.utils.compile_times)."""
+    from torch._dynamo.utils import compile_times
+
+    names, values = compile_times(repr="csv")
+    timed = dict(zip(names, values, strict=True))
+    keys = ("_compile.compile_inner", "compile_fx.<locals>.bw_compiler")
+    return sum(float(v) for k in keys for v in str(timed.get(k, "0")).split(","))
+
+
 class Trainer:
     def __init__(self, cfg: Config, manifest_path: Path, run_dir: Path, device: torch.device):
         self.cfg, self.tc, self.device, self.run_dir = cfg, cfg.train, device, run_dir
@@ -368,6 +404,7 @@ class Trainer:
     def train(self) -> None:
         logger = MetricsLog(self, self.tc.log_every)
         done = self.step >= self.total_steps
+        first = FirstStep(self.step, self.device)
         while not done:
             plan = epoch_plan(
                 self.samples, self.tokens, self.tc.seed, self.epoch, self.rank, self.world
@@ -378,6 +415,7 @@ class Trainer:
                 dataset, self.micro, self.tc.num_workers, self.device.type == "cuda"
             )
             for batch in loader:
+                first.batch()
                 sync = (self.micro + 1) % self.accum == 0
                 loss, metrics = self.micro_step(batch, sync)
                 logger.add(loss, metrics)
@@ -389,6 +427,8 @@ class Trainer:
                 self.optimizer.zero_grad(set_to_none=True)
                 self.scheduler.step()
                 self.step += 1
+                if self.rank == 0:
+                    first.done(self.step)
                 faults.point("train.step")
                 validation = None
                 if self._validate_now():  # its time is not training time (tokens/s, MFU)
