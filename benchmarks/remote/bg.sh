@@ -11,6 +11,10 @@
 # beside it (its evaluate's speeds are timing-grade: e.g. code:train above, then ALONE=code), and
 # STEPS="--block 8 --capacity 784 ..." runs benchmarks/evaluate.py alone with those arguments
 # into /tmp/q/steps.json (mon.sh returns it); then ALLDONE.
+# WARM=VARIANT (one of those listed): the other variants that train on features they reuse
+# start once VARIANT's first optimizer step is logged (waiting at most 300 s), so that those of
+# its shapes find its compiled graphs in the machine's Inductor cache instead of all compiling
+# at once (untested on the GPU so far: the train log says each cell's compile time).
 cd "$(dirname "$0")/../.." && . benchmarks/remote/setup.sh >/dev/null
 mkdir -p /tmp/q
 M=/tmp/runs/quality-main/results
@@ -29,6 +33,10 @@ for spec in "$@"; do   # VARIANT or VARIANT:TARGET (e.g. block16:train: no evalu
   mkdir -p /tmp/runs/quality-$v
   (until [ -e $need ]; do sleep 5; done
    for w in $waits; do until [ -e /tmp/runs/quality-$v/$w ]; do sleep 5; done; done; sleep 2
+   if [ -n "${WARM:-}" ] && [ "$v" != "$WARM" ] && [[ $reuse == *" features "* ]]; then
+     log=/tmp/runs/quality-$WARM/results/logs/train.log; t=$SECONDS
+     until grep -qs "first optimizer step" $log || [ $((SECONDS - t)) -gt 300 ]; do sleep 5; done
+   fi
    python3 benchmarks/quality.py $v --runs /tmp/runs --target $target $EXTRA > /tmp/q/$v.out 2>&1) &
 done
 wait
