@@ -96,17 +96,10 @@ def ahead_per_source(
     return dict(sorted(counts.items()))
 
 
-def _speedup(results: list[Decoded], base: list[Decoded]) -> float | None:
-    base_speed = method_summary(base, 0)["decode_tokens_per_s"]
-    return method_summary(results, 0)["decode_tokens_per_s"] / base_speed if base_speed else None
-
-
-def _step_cost(row: dict, base: dict) -> float | None:
-    """A method's mean step in target-only steps (one token each): what a speculative step must
-    stay under for its tokens per step to become speed."""
-    if row["seconds_per_step"] is None or not base["seconds_per_step"]:
-        return None
-    return row["seconds_per_step"] / base["seconds_per_step"]
+def _ratio(x: float | None, base: float | None) -> float | None:
+    """x over the target-only figure `base`: speedup (decode tokens/s) or step cost (seconds
+    per step, a target-only step being one token); None where either is missing."""
+    return None if x is None or not base else x / base
 
 
 def method_rows(
@@ -123,10 +116,10 @@ def method_rows(
             "engine": engine,
             "acceptance_length": row["acceptance_length"],
             "decode_tokens_per_s": row["decode_tokens_per_s"],
-            "speedup": _speedup(results, main["target"]),
+            "speedup": _ratio(row["decode_tokens_per_s"], base["decode_tokens_per_s"]),
             "speedup_against": "target",
             "tokens_per_step": row["tokens_per_step"],
-            "step_cost": _step_cost(row, base),
+            "step_cost": _ratio(row["seconds_per_step"], base["seconds_per_step"]),
         }
         if m in lossless and m != "target":
             same = _identical(lossless["target"], lossless[m])
@@ -196,7 +189,7 @@ def summarize(
             first_divergence(prompts, lossless["target"], lossless["dflash"]) if checked else None
         ),
         "bf16_agreement": _mean(_identical(target, dflash)) if reduced_precision else None,
-        "speedup": spec["decode_tokens_per_s"] / base_speed if base_speed else None,
+        "speedup": _ratio(spec["decode_tokens_per_s"], base_speed),
         "tokens_per_s": {
             "speculative": spec["decode_tokens_per_s"],
             "target_only": base_speed,
