@@ -20,18 +20,17 @@ import tempfile
 import time
 from pathlib import Path
 
-import pyarrow as pa
 import torch
 
 from dflashpipe.codecs import encode
 from dflashpipe.data import PackedBatches, Sample
-from dflashpipe.shards import ShardInfo, feature_row, record_batch
+from dflashpipe.shards import ShardInfo, feature_row, write_shard
 
 FULL = dict(hidden=576, taps=5, length=372, per_pack=22, tokens=8192, anchors=1024)
 SMOKE = dict(hidden=32, taps=2, length=30, per_pack=4, tokens=128, anchors=16)
 
 
-def write_shard(path: Path, codec: str, shape: dict, n: int) -> list[Sample]:
+def random_shard(path: Path, codec: str, shape: dict, n: int) -> list[Sample]:
     g = torch.Generator().manual_seed(0)
     T, width = shape["length"], shape["taps"] * shape["hidden"]
     rows = []
@@ -40,11 +39,8 @@ def write_shard(path: Path, codec: str, shape: dict, n: int) -> list[Sample]:
         ids = torch.randint(10, 49152, (T,), generator=g).tolist()
         mask = [0] * (T // 4) + [1] * (T - T // 4)
         rows.append(feature_row(str(i), ids, mask, encode(states, codec, shape["taps"])))
-    info = ShardInfo(codec, list(range(shape["taps"])), shape["hidden"], {"name": "random"})
-    schema = record_batch(rows[:1]).schema.with_metadata(info.metadata())
-    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, schema) as w:
-        for r in rows:
-            w.write_batch(record_batch([r]))
+    write_shard(path, rows, ShardInfo(codec, list(range(shape["taps"])), shape["hidden"],
+                                      {"name": "random"}))  # fmt: skip
     return [Sample(0, i, T) for i in range(n)]
 
 
@@ -72,7 +68,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for codec in ("bf16-zstd", "fp8-zstd"):
             path = Path(tmp) / f"{codec}.arrow"
-            samples = write_shard(path, codec, shape, 2 * per)
+            samples = random_shard(path, codec, shape, 2 * per)
             for quantized in (False, True) if codec == "fp8-zstd" else (False,):
                 ds = PackedBatches([path], samples, plan, shape["tokens"], shape["anchors"], 0, 0,
                                    quantized=quantized)  # fmt: skip

@@ -21,14 +21,13 @@ import tempfile
 import time
 from pathlib import Path
 
-import pyarrow as pa
 import torch
 
 from dflashpipe.codecs import encode
 from dflashpipe.data import PackedBatches, Sample, make_loader
 from dflashpipe.metrics import PEAK_TFLOPS_BF16, step_flops
 from dflashpipe.model import Drafter, DrafterConfig
-from dflashpipe.shards import ShardInfo, feature_row, record_batch
+from dflashpipe.shards import ShardInfo, feature_row, write_shard
 from dflashpipe.train import compute_head, forward_loss
 
 FULL = dict(hidden_size=4096, intermediate_size=12288, num_attention_heads=32, num_key_value_heads=8,
@@ -70,7 +69,7 @@ def drafter(shape: dict, device: torch.device) -> Drafter:
     return model
 
 
-def write_shard(path: Path, shape: dict, n: int) -> list[Sample]:
+def random_shard(path: Path, shape: dict, n: int) -> list[Sample]:
     """A bf16-zstd feature shard of n random sequences of `tokens` tokens, 5 taps."""
     T, H = shape["tokens"], shape["hidden_size"]
     rows = []
@@ -81,11 +80,7 @@ def write_shard(path: Path, shape: dict, n: int) -> list[Sample]:
         ids = torch.randint(10, shape["vocab_size"], (T,)).tolist()
         mask = [0] * 64 + [1] * (T - 64)
         rows.append(feature_row(str(i), ids, mask, encoded))
-    info = ShardInfo("bf16-zstd", TAPS, H, {"name": "random"})
-    schema = record_batch(rows[:1]).schema.with_metadata(info.metadata())
-    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, schema) as w:
-        for r in rows:
-            w.write_batch(record_batch([r]))
+    write_shard(path, rows, ShardInfo("bf16-zstd", TAPS, H, {"name": "random"}))
     return [Sample(0, i, T) for i in range(n)]
 
 
@@ -173,7 +168,7 @@ def main() -> None:
     res: dict = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu"}
     with tempfile.TemporaryDirectory() as tmp:
         shard = Path(tmp) / "shard.arrow"
-        samples = write_shard(shard, shape, args.sequences)
+        samples = random_shard(shard, shape, args.sequences)
         say(f"wrote {args.sequences} sequences ({shard.stat().st_size / 1e9:.1f} GB)")
         plan = [[i] for i in range(len(samples))]  # one 3072-token sequence per micro-batch
         ds = PackedBatches(

@@ -77,10 +77,8 @@ def test_packed_states_are_the_shards_rows_and_padding_is_zero(tiny_features):
 
 def _shard(path, codec: str, lengths: list[int], seed: int, H: int = 32, taps=(0, 1)):
     """A feature shard of random states (a real codec, real schema) and its samples."""
-    import pyarrow as pa
-
     from dflashpipe.codecs import encode
-    from dflashpipe.shards import ShardInfo, feature_row, record_batch
+    from dflashpipe.shards import ShardInfo, feature_row, write_shard
 
     g = torch.Generator().manual_seed(seed)
     rows = []
@@ -89,12 +87,7 @@ def _shard(path, codec: str, lengths: list[int], seed: int, H: int = 32, taps=(0
         ids = torch.randint(0, 100, (n,), generator=g).tolist()
         rows.append(feature_row(f"s{seed}-{i}", ids, [0] * 3 + [1] * (n - 3),
                                 encode(states, codec, len(taps))))  # fmt: skip
-    info = ShardInfo(codec, list(taps), H, {"name": "random"})
-    schema = record_batch(rows[:1]).schema.with_metadata(info.metadata())
-    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, schema) as w:
-        for r in rows:
-            w.write_batch(record_batch([r]))
-    return path
+    return write_shard(path, rows, ShardInfo(codec, list(taps), H, {"name": "random"}))
 
 
 def test_quantized_packs_dequantize_on_the_device_to_the_workers_bf16(tmp_path):

@@ -357,10 +357,8 @@ def _rewrite_shards(out, tiny_features, codec: str | None = None, edit=None):
     edit(shard, row, hidden)) with their manifest; returns the manifest's path."""
     import dataclasses
 
-    import pyarrow as pa
-
     from dflashpipe.codecs import encode
-    from dflashpipe.shards import FeatureShard, build_manifest, feature_row, record_batch
+    from dflashpipe.shards import FeatureShard, build_manifest, feature_row, write_shard
     from dflashpipe.storage import write_json
 
     out.mkdir(parents=True, exist_ok=True)
@@ -377,11 +375,7 @@ def _rewrite_shards(out, tiny_features, codec: str | None = None, edit=None):
             rows.append(
                 feature_row(r["sample_id"], r["input_ids"].tolist(), r["loss_mask"].tolist(), enc)
             )
-        dest = out / src.name
-        schema = record_batch(rows).schema.with_metadata(info.metadata())
-        with pa.OSFile(str(dest), "wb") as sink, pa.ipc.new_file(sink, schema) as w:
-            w.write_batch(record_batch(rows))
-        paths.append(dest)
+        paths.append(write_shard(out / src.name, rows, info))
     write_json(out / "manifest.json", build_manifest(paths))
     return out / "manifest.json"
 

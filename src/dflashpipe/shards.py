@@ -142,6 +142,16 @@ def feature_row(
     return row
 
 
+def write_shard(path: Path, rows: list[dict], info: ShardInfo) -> Path:
+    """A feature shard file of `rows` (feature_row's), a record batch per row, `info` in its
+    schema metadata; what extract's writer makes, in one call (benchmarks' and tests' shards)."""
+    schema = feature_schema(info.topk).with_metadata(info.metadata())
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, schema) as w:
+        for r in rows:
+            w.write_batch(record_batch([r], schema))
+    return path
+
+
 class FeatureShard:
     """A memory-mapped feature shard: random access to decoded samples."""
 
