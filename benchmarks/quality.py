@@ -9,9 +9,9 @@ Runs on a GPU machine without network once `resources/` holds the retrieved file
 reachable). Variant `v` works in `runs/quality-<v>/` with `resources/` linked in; the recipe plus
 the overlay `benchmarks/quality/<v>.yaml` is its config, after the overlays its `# also:` line
 names (e.g. `# also: code tau-only`: the code variant's data, a tau-only evaluate). An overlay's
-`# reuse:` line names the
-result folders of the main run it shares (hard links, so an unchanged stage is not redone);
-its `# target:` line, the Snakemake target it stops at unless `--target` says otherwise.
+`# reuse:` line names the result folders of the main run it shares (hard links, so an unchanged
+stage is not redone); its `# target:` line, the Snakemake target it stops at unless `--target`
+says otherwise.
 A run cut short by `--time-limit` (or killed) continues on the next call: Snakemake keeps the
 finished stages and training resumes from its checkpoints.
 
