@@ -280,8 +280,9 @@ def row(work: Path) -> dict | None:
     manifest = _read(res / "features" / "manifest.json") or {}
     lines = metrics.read_text().splitlines() if metrics.is_file() else []
     last = json.loads(lines[-1]) if lines else {}
-    ev = ev or {"per_source": {}, "baseline": {"prompt_lookup": {}}}
-    lookup = ev["baseline"]["prompt_lookup"]
+    ev = ev or {"per_source": {}}
+    # a tau-only evaluate (the lever cells' overlay) runs no prompt lookup: its cells show "-"
+    lookup = (ev.get("baseline") or {}).get("prompt_lookup") or {}
     totals = manifest.get("totals", {})
     config = work / "results" / "config.resolved.yaml"
     train_cfg = {}

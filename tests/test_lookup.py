@@ -79,9 +79,9 @@ def test_replay_counts_acceptances_on_a_known_output():
     got = replay(PromptLookupProposer(3, 1), prompt, output, 6, set())
     # tokens 1 2 3 4 1: unigram 1 at 0 -> drafts 2 3 4; output says 2 3 9: 2 accepted + bonus 9
     # tokens ... 1 2 3 9: 9 unseen -> no drafts, bonus 1
-    # tokens ... 9 1: earliest 1 -> 2 3 4 vs output 2 (then its end): 1 accepted, bonus unknown
+    # tokens ... 9 1: earliest 1 -> 2 3 4 vs output 2 (then its end): the step delivers 2 only
     assert got.output_ids == output and got.finish_reason == "length"
-    assert (got.accepted_lengths, got.drafted) == ([3, 1, 2], [3, 0, 3])
+    assert (got.accepted_lengths, got.drafted) == ([3, 1, 1], [3, 0, 3])
     stopped = replay(PromptLookupProposer(3, 1), prompt, [1, 2, 3, 0], 6, {0})
     assert stopped.output_ids == [1, 2, 3, 0] and stopped.finish_reason == "stop"
     assert stopped.accepted_lengths == [3]  # drafts 2 3 4 vs 2 3 0: two accepted, bonus 0 stops

@@ -149,6 +149,26 @@ def test_a_run_trained_but_not_evaluated_has_a_row_of_training_figures(tmp_path)
     assert line.startswith("| block8 | - |") and "| 1.940 | 9 |" in line
 
 
+def test_a_tau_only_evaluate_has_a_row_without_prompt_lookup(tmp_path):
+    """The lever cells evaluate without prompt lookup (tau-only: `baseline` is empty): their row
+    has the drafter's figures and "-" for the lookup's, instead of failing the whole table (as it
+    did on the H200 on 2026-12-04, after the cells had finished)."""
+    quality = _load_quality()
+    work = tmp_path / "quality-betas999"
+    (work / "results" / "eval").mkdir(parents=True)
+    metrics = {"acceptance_length": 2.46, "per_source": {"humaneval": 2.60, "sharegpt": 2.33},
+               "speedup": 2.2, "lossless_fraction": None, "bf16_agreement": 1.0, "baseline": {},
+               "ddtree": {"16": {"acceptance_length": 3.19, "speedup": 2.9},
+                          "32": {"acceptance_length": 3.39, "speedup": 2.7}},
+               "num_prompts": 128}  # fmt: skip
+    (work / "results" / "eval" / "metrics.json").write_text(json.dumps(metrics))
+    r = quality.row(work)
+    assert (r["tau_all"], r["tau"]["sharegpt"], r["lookup_all"], r["lookup_tau"]) == (2.46, 2.33, None, {})
+    assert (r["ddtree_nodes"], r["ddtree_tau"]) == ("16", 3.19)
+    line = quality.table([r]).splitlines()[-1]
+    assert line.startswith("| betas999 | 2.600 | 2.330 | - | - | - | - | 2.460 | - |")
+
+
 def test_a_variant_listed_before_the_run_it_reads_fails_before_anything_runs(tmp_path):
     """`code` trains on code-answers' features (its `# wait:` line): listing it first, or alone
     with no such run, stops at once with the order to use; listed after it, the check passes."""

@@ -8,9 +8,9 @@ its best configuration on the eval prompts (evaluate's baseline).
                "all" is transformers' `generate(prompt_lookup_num_tokens=10)`.
     replay     greedy decoding is lossless, so a proposer's acceptance lengths follow from the
                target-only greedy output alone: each step's drafts are matched against the
-               output's next tokens, with no target forward. The last step may run past the
-               known output (max_new_tokens, or the tokens after a stop id); its count is then
-               a lower bound, the only difference from decoding (a test checks the rest).
+               output's next tokens, with no target forward. Decoding's last step may accept
+               tokens past the response's end (max_new_tokens, or after a stop id); neither
+               counts them (Decoded), so replay and decoding give the same counts (a test).
     sweep      GRID (occurrence x max n-gram 1-4 x 5, 10, 16 drafts x search) replayed on every
                prompt's target-only output: 48 configurations for the price of none on the GPU.
 """

@@ -62,6 +62,21 @@ class Decoded:
     accepted_lengths: list[int] = field(default_factory=list)  # drafts accepted + 1 (bonus)
     drafted: list[int] = field(default_factory=list)  # drafts proposed
 
+    def __post_init__(self) -> None:
+        """The last verify step can accept tokens past the response's end (max_new_tokens, or
+        after a stop id): verified but not delivered, they are not counted. Its count becomes the
+        tokens it delivered, so tau is delivered tokens per step, the same from decoding as from
+        lookup.replay on the output alone. `drafted` stays what was proposed (the work done)."""
+        excess = sum(self.accepted_lengths) - self.decode_tokens
+        if self.accepted_lengths and excess > 0:
+            last = self.accepted_lengths[-1] - excess
+            if last < 1:
+                raise ValueError(
+                    f"verify steps accepted {sum(self.accepted_lengths)} tokens for a response "
+                    f"of {self.decode_tokens} after its first: a step before the last overran it"
+                )
+            self.accepted_lengths[-1] = last
+
     @property
     def wall_s(self) -> float:
         return self.prefill_s + self.decode_s
