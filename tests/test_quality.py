@@ -46,8 +46,8 @@ def test_quality_driver_main_and_variants(tmp_path, smollm2_dir, tiny_target_dir
         {"target": {"model": str(tiny_target_dir), "gguf_file": None}, **TINY},
     )
     runs = tmp_path / "runs"
-    cmd = [sys.executable, str(REPO / "benchmarks" / "quality.py"), "main", "bf16", "code-answers",
-           "code", "--runs", str(runs), "--configfile", str(tiny), "--cores", str(worker_cores()),
+    cmd = [sys.executable, str(REPO / "benchmarks" / "quality.py"), "main", "bf16",
+           "stdlib-answers", "stdlib-extra", "--runs", str(runs), "--configfile", str(tiny), "--cores", str(worker_cores()),
            "--out", str(tmp_path / "rows.json"), "--bundle", str(tmp_path / "logs.tar.gz")]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=1500)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -64,28 +64,37 @@ def test_quality_driver_main_and_variants(tmp_path, smollm2_dir, tiny_target_dir
     rows = {r["variant"]: r for r in json.loads((tmp_path / "rows.json").read_text())}
     # dataset-answers and mixed are the same mechanisms (regenerate off; reuse + wait +
     # train.extra_features) as tested elsewhere and by code below: left out for the suite's time.
-    assert set(rows) == {"main", "bf16", "code"}
-    # code-answers: prompts from the retrieved wheels' functions, regenerated, stopped at extract
-    code = runs / "quality-code-answers" / "results"
-    sources = json.loads((code / "prompts" / "stats.json").read_text())["sources"]
-    assert {n for n, s in sources.items() if s["kind"] == "python" and s["train"] > 0} == {
+    assert set(rows) == {"main", "bf16", "stdlib-extra"}
+    # the recipe's code prompts: the retrieved wheels' functions, beside ShareGPT's
+    sources = json.loads((main / "prompts" / "stats.json").read_text())["sources"]
+    assert {n for n, s in sources.items() if s["kind"] == "python" and s["added"] > 0} == {
         "sympy", "networkx", "pydash", "boltons", "more-itertools"}  # fmt: skip
-    assert (code / "features" / "manifest.json").is_file() and not (code / "drafter").exists()
-    extra = extra_samples(runs / "quality-code")
-    code_samples = json.loads((code / "features" / "manifest.json").read_text())["totals"]
-    assert extra == code_samples["samples"] > 0
+    # stdlib-answers: prompts from the interpreter's standard library, regenerated, stopped at
+    # extract; stdlib-extra trains on them beside main's features
+    std = runs / "quality-stdlib-answers" / "results"
+    sources = json.loads((std / "prompts" / "stats.json").read_text())["sources"]
+    assert set(sources) == {"stdlib"} and sources["stdlib"]["train"] > 0
+    assert (std / "features" / "manifest.json").is_file() and not (std / "drafter").exists()
+    extra = extra_samples(runs / "quality-stdlib-extra")
+    std_samples = json.loads((std / "features" / "manifest.json").read_text())["totals"]
+    assert extra == std_samples["samples"] > 0
     own = json.loads((main / "features" / "manifest.json").read_text())["totals"]["tokens"]
-    assert rows["code"]["train_tokens"] == own + code_samples["tokens"]  # its data's size
+    assert rows["stdlib-extra"]["train_tokens"] == own + std_samples["tokens"]  # its data's size
     assert rows["main"]["train_tokens"] == own
-    report = (runs / "quality-code" / "results" / "report.md").read_text()
+    report = (runs / "quality-stdlib-extra" / "results" / "report.md").read_text()
     assert (
-        "- train.extra_features ../quality-code-answers/results/features/manifest.json: " in report
+        "- train.extra_features ../quality-stdlib-answers/results/features/manifest.json: "
+        in report
     )
     for r in rows.values():
-        assert r["lossless"] == 1.0 and set(r["tau"]) == {"sharegpt", "humaneval"}
-        assert set(r["lookup_tau"]) == {"sharegpt", "humaneval"} and r["bytes_per_token"] > 0
-        assert r["ahead"] and all(sum(c.values()) > 0 for c in r["ahead"].values())
+        assert set(r["tau"]) == {"sharegpt", "humaneval"} and r["bytes_per_token"] > 0
         assert r["ddtree_nodes"] == "4" and r["ddtree_tau"] >= 1 and r["ddtree_speedup"] > 0
+    for r in (rows["main"], rows["bf16"]):
+        assert r["lossless"] == 1.0 and set(r["lookup_tau"]) == {"sharegpt", "humaneval"}
+        assert r["ahead"] and all(sum(c.values()) > 0 for c in r["ahead"].values())
+    # a lever cell (`# also: tau-only`): no float32 pass, no prompt lookup, its row still made
+    assert rows["stdlib-extra"]["lossless"] is None and rows["stdlib-extra"]["lookup_tau"] == {}
+    assert "| stdlib-extra |" in done.stdout
     assert rows["main"]["bytes_per_token"] < rows["bf16"]["bytes_per_token"]  # main is fp8
     assert "| bf16 |" in done.stdout and "| main |" in done.stdout
     assert "| ahead of lookup humaneval | ahead of lookup sharegpt |" in done.stdout
@@ -170,19 +179,20 @@ def test_a_tau_only_evaluate_has_a_row_without_prompt_lookup(tmp_path):
 
 
 def test_a_variant_listed_before_the_run_it_reads_fails_before_anything_runs(tmp_path):
-    """`code` trains on code-answers' features (its `# wait:` line): listing it first, or alone
-    with no such run, stops at once with the order to use; listed after it, the check passes."""
+    """`stdlib-extra` trains on stdlib-answers' features (its `# wait:` line): listing it first,
+    or alone with no such run, stops at once with the order to use; listed after it, the check
+    passes."""
     quality = _load_quality()
     runs = tmp_path / "runs"
-    for variants in (["main", "code", "code-answers"], ["code"]):
-        with pytest.raises(SystemExit, match="list code-answers before it"):
+    for variants in (["main", "stdlib-extra", "stdlib-answers"], ["stdlib-extra"]):
+        with pytest.raises(SystemExit, match="list stdlib-answers before it"):
             quality.check_order(runs, variants)
     assert not runs.exists()  # nothing was prepared
-    quality.check_order(runs, ["main", "code-answers", "code"])
-    made = runs / "quality-code-answers" / "results" / "features" / "manifest.json"
+    quality.check_order(runs, ["main", "stdlib-answers", "stdlib-extra"])
+    made = runs / "quality-stdlib-answers" / "results" / "features" / "manifest.json"
     made.parent.mkdir(parents=True)
     made.write_text("{}")
-    quality.check_order(runs, ["code"])  # the run it reads exists already
+    quality.check_order(runs, ["stdlib-extra"])  # the run it reads exists already
 
 
 def test_every_overlay_is_a_valid_config_on_the_recipe():
@@ -210,19 +220,19 @@ def test_every_overlay_is_a_valid_config_on_the_recipe():
                     assert cfg.section(section)[key] == value, (path.name, section, key)
 
 
-def test_a_lever_cell_stacks_the_code_variant_and_a_tau_only_evaluate():
-    """`# also: code tau-only`: the code variant's data under the lever's own change, and an
-    evaluate without the float32 pass; the stack is merged in order, each file once."""
+def test_a_lever_cell_stacks_a_tau_only_evaluate_under_its_change():
+    """`# also: tau-only`: the recipe under the lever's own change, and an evaluate without the
+    float32 pass; the stack is merged in order, each file once."""
     from dflashpipe.config import Config
 
     quality = _load_quality()
-    names = [p.stem for p in quality.stack("rank8")]
-    assert names == ["code", "tau-only", "rank8"]
-    configs = [str(REPO / "configs" / "smollm2-sharegpt.yaml")] + [
-        str(p) for p in quality.stack("rank8")
-    ]
-    cfg = Config.from_dict(quality.merged_configs(configs))
-    train, ev = cfg.section("train"), cfg.section("evaluate")
-    assert train["extra_features"] == ["../quality-code-answers/results/features/manifest.json"]
-    assert train["rank_weight"] == 0.2 and ev["lossless_check"] is False
-    assert [p.stem for p in quality.stack("code")] == ["code"] and quality.stack("main") == []
+    assert [p.stem for p in quality.stack("rank8")] == ["tau-only", "rank8"]
+    assert [p.stem for p in quality.stack("stdlib-extra")] == ["tau-only", "stdlib-extra"]
+    for cell in ("rank8", "stdlib-extra"):
+        configs = [str(quality.RECIPE)] + [str(p) for p in quality.stack(cell)]
+        cfg = Config.from_dict(quality.merged_configs(configs))
+        train, ev = cfg.section("train"), cfg.section("evaluate")
+        assert ev["lossless_check"] is False and ev["methods"] == ["target", "dflash", "ddtree"]
+        assert (train["num_anchors"], train["epochs"]) == (2048, 6)  # the recipe's, unchanged
+    assert train["extra_features"] == ["../quality-stdlib-answers/results/features/manifest.json"]
+    assert quality.stack("main") == []

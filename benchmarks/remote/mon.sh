@@ -1,7 +1,7 @@
 #!/bin/bash
 # bash benchmarks/remote/mon.sh SECONDS: the background quality runs' status every 60 s until all
 # are done or SECONDS pass; then the table, and their small files bundled into $OUT/q.tar.gz.
-# KEEP="main code-answers" also brings those runs' regenerated answers back in $OUT (parts of
+# KEEP="main stdlib-answers" also brings those runs' regenerated answers back in $OUT (parts of
 # <= 15 MB in /tmp/q/keep, quality.py --keep; the first 4 beside the (up to four) other files it
 # returns, the rest named for a later call to copy).
 cd "$(dirname "$0")/../.." && . benchmarks/remote/setup.sh >/dev/null

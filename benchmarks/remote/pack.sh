@@ -4,7 +4,7 @@
 # needs to run benchmarks/quality.py, in three parts of under 64 MiB each (one per transfer):
 #   .remote/a: the wheels that machine lacks (wheels.txt, Python 3.12), ShareGPT (zstd), GGUF part 0
 #   .remote/b: GGUF part 1, HumanEval
-#   .remote/c: the code overlays' wheels (resources/code/; only the overlays code-answers and code)
+#   .remote/c: the code prompts' wheels (resources/code/; the recipe's five code sources)
 # There: `. benchmarks/remote/setup.sh` after each part arrives (it assembles resources/ under
 # /tmp/res once both are there), then `setsid bash benchmarks/remote/bg.sh bf16 ...` starts the
 # runs in the background and `bash benchmarks/remote/mon.sh SECONDS` follows them.
