@@ -145,7 +145,9 @@ def test_metrics_json(tiny_target_dir, target_config, eval_table, tmp_path):
 
 def test_ahead_counts_pair_prompts_and_skip_those_without_a_verify_step():
     def dec(*accepted):  # one response whose verify steps accepted these lengths
-        return Decoded([1] * (1 + sum(accepted)), "length", 0.0, 0.0, list(accepted), [3] * len(accepted))
+        return Decoded(
+            [1] * (1 + sum(accepted)), "length", 0.0, 0.0, list(accepted), [3] * len(accepted)
+        )
 
     rows = [({"source": s}, []) for s in ("a", "a", "a", "b", "b")]
     ours = [dec(3, 1), dec(1), dec(2), dec(2, 2), dec()]
