@@ -47,8 +47,9 @@ def test_quality_driver_main_and_variants(tmp_path, smollm2_dir, tiny_target_dir
     )
     runs = tmp_path / "runs"
     cmd = [sys.executable, str(REPO / "benchmarks" / "quality.py"), "main", "bf16",
-           "stdlib-answers", "stdlib-extra", "--runs", str(runs), "--configfile", str(tiny), "--cores", str(worker_cores()),
-           "--out", str(tmp_path / "rows.json"), "--bundle", str(tmp_path / "logs.tar.gz")]  # fmt: skip
+           "stdlib-answers", "stdlib-extra", "--runs", str(runs), "--configfile", str(tiny),
+           "--cores", str(worker_cores()), "--out", str(tmp_path / "rows.json"),
+           "--bundle", str(tmp_path / "logs.tar.gz")]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=1500)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     main, bf16 = runs / "quality-main" / "results", runs / "quality-bf16" / "results"
