@@ -115,8 +115,13 @@ def prepare(runs: Path, variant: str, extra_configs: list[str]) -> tuple[Path, l
     """The variant's work directory and its config files."""
     work = runs / f"quality-{variant}"
     (work / "results").mkdir(parents=True, exist_ok=True)
-    if not (work / "resources").exists():
-        (work / "resources").symlink_to(REPO / "resources")
+    link = work / "resources"
+    if not link.exists():  # a dangling link too: the repo's own may have been a link since gone
+        link.unlink(missing_ok=True)
+        # to what the repo's resources/ resolves to, not to it: on the GPU machine that is a
+        # link to /tmp/res which each call's copy of the working tree removes (setup.sh makes
+        # it again), while runs started by an earlier call go on reading through theirs
+        link.symlink_to((REPO / "resources").resolve())
     extra = overlay(variant)
     main = runs / "quality-main" / "results"
     for name in reused(extra):

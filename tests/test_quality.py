@@ -90,11 +90,12 @@ def test_quality_driver_main_and_variants(tmp_path, smollm2_dir, tiny_target_dir
     for r in rows.values():
         assert set(r["tau"]) == {"sharegpt", "humaneval"} and r["bytes_per_token"] > 0
         assert r["ddtree_nodes"] == "4" and r["ddtree_tau"] >= 1 and r["ddtree_speedup"] > 0
-    for r in (rows["main"], rows["bf16"]):
-        assert r["lossless"] == 1.0 and set(r["lookup_tau"]) == {"sharegpt", "humaneval"}
-        assert r["ahead"] and all(sum(c.values()) > 0 for c in r["ahead"].values())
-    # a lever cell (`# also: tau-only`): no float32 pass, no prompt lookup, its row still made
-    assert rows["stdlib-extra"]["lossless"] is None and rows["stdlib-extra"]["lookup_tau"] == {}
+    r = rows["main"]
+    assert r["lossless"] == 1.0 and set(r["lookup_tau"]) == {"sharegpt", "humaneval"}
+    assert r["ahead"] and all(sum(c.values()) > 0 for c in r["ahead"].values())
+    # lever cells (`# also: tau-only`): no float32 pass, no prompt lookup, their rows still made
+    for cell in ("bf16", "stdlib-extra"):
+        assert rows[cell]["lossless"] is None and rows[cell]["lookup_tau"] == {}
     assert "| stdlib-extra |" in done.stdout
     assert rows["main"]["bytes_per_token"] < rows["bf16"]["bytes_per_token"]  # main is fp8
     assert "| bf16 |" in done.stdout and "| main |" in done.stdout
@@ -238,3 +239,24 @@ def test_a_lever_cell_stacks_a_tau_only_evaluate_under_its_change():
         assert (train["num_anchors"], train["epochs"]) == (2048, 6)  # the recipe's, unchanged
     assert train["extra_features"] == ["../quality-stdlib-answers/results/features/manifest.json"]
     assert quality.stack("main") == []
+
+
+def test_a_run_links_the_resources_the_repo_link_points_to(tmp_path, monkeypatch):
+    # On the GPU machine the repo's resources/ is a link to /tmp/res that a later call's copy of
+    # the working tree removes: a run's own link must not go through it (it did: a variant
+    # started after that failed with "No such file or directory: 'resources/smollm2'").
+    quality = _load_quality()
+    repo, res = tmp_path / "repo", tmp_path / "res"
+    (res / "smollm2").mkdir(parents=True)
+    repo.mkdir()
+    (repo / "resources").symlink_to(res)
+    monkeypatch.setattr(quality, "REPO", repo)
+    runs = tmp_path / "runs"
+    (runs / "quality-main" / "results" / "prompts").mkdir(parents=True)
+    (runs / "quality-main" / "results" / "sequences").mkdir()
+    (runs / "quality-bf16").mkdir()
+    (runs / "quality-bf16" / "resources").symlink_to(tmp_path / "gone")  # dangling, replaced
+    work, _ = quality.prepare(runs, "bf16", [])
+    (repo / "resources").unlink()
+    assert (work / "resources" / "smollm2").is_dir()
+    assert (work / "results" / "sequences").is_dir()  # main's reused folders came along

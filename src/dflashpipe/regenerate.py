@@ -8,10 +8,11 @@ Each row holds exactly the tokens the target saw and produced (`input_ids`), a `
 is 1 only on generated tokens, and a `finish_reason`; its `sample_id` is `{prompt_id}-{s}`.
 With `samples_per_prompt: n` every prompt is answered n times: answer 0 greedy (`greedy_first`),
 the others sampled at the stage's temperature / top_p / top_k. Every sampled batch draws from a
-generator seeded by (seed, shard, sample index, batch), so a rerun or a resumed run gives the same
-answers (on the same hardware and software). Batches are fixed up front from the whole shard,
-so a resumed run decodes the same batches as an uninterrupted one; finished batches live in part
-files beside the output and are never redone. With `regenerate.enabled: false` the rows hold the
+generator seeded by (seed, shard, sample index, batch), so a rerun or a resumed run draws the same
+numbers; it gives the same answers where the kernels are deterministic (the CPU; batched bf16
+decoding on a GPU is not bit-exact from run to run, greedy answers included). Batches are fixed
+up front from the whole shard, so a resumed run decodes the same batches as an uninterrupted one;
+finished batches live in part files beside the output and are never redone. With `regenerate.enabled: false` the rows hold the
 datasets' own answers, tokenized with an assistant-only mask.
 """
 
