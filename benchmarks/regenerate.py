@@ -11,6 +11,8 @@ never emit EOS, so every row generates exactly `--new-tokens` tokens.
     python benchmarks/regenerate.py --batch-sizes 512 1024 --caches static --width 512 \
         --lengths-file benchmarks/smollm2-sharegpt-prompt-lengths.json \
         --attns sdpa sdpa-gqa flex_attention   # attention kernels at the recipe's shapes
+    python benchmarks/regenerate.py --profile 1024 --caches static --width 512 --new-tokens 64 \
+        --lengths-file benchmarks/smollm2-sharegpt-prompt-lengths.json   # where a step's time goes
 
 benchmarks/smollm2-sharegpt-prompt-lengths.json: the token counts (chat template applied) of the
 22,880 prompts of configs/smollm2-sharegpt.yaml's train table that regenerate answers (<= 512
@@ -102,6 +104,29 @@ def bench_stage(model, ps, batch: int, new_tokens: int, cache: str, width: int =
     return len(ps) * new_tokens / timed(go)
 
 
+def profile(model, ps, batch: int, new_tokens: int, cache: str, width: int, name: str) -> None:
+    """Where one batch's time goes: the stage's path (generate_batch) under torch.profiler after
+    a warm-up batch; prints the wall time per decoding step, how much of it the GPU was busy,
+    and the ops with the most self time on the GPU and on the CPU."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    cfg = GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                           pad_token_id=0, eos_token_id=[1], cache_implementation=cache)  # fmt: skip
+    rows = sorted(ps, key=len, reverse=True)[:batch]
+    generate_batch(model, rows, cfg, {1}, batch, width)  # warm-up (allocator, compile)
+    acts = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+    with torch_profile(activities=acts) as prof:
+        wall = timed(lambda: generate_batch(model, rows, cfg, {1}, batch, width))
+    events = prof.key_averages()
+    gpu_us = sum(e.self_device_time_total for e in events)
+    print(f"\n== {name}: batch {batch}, {new_tokens} new tokens: {wall:.2f} s, "
+          f"{1e3 * wall / new_tokens:.1f} ms per step, GPU busy {gpu_us / 1e6:.2f} s "
+          f"({gpu_us / 1e4 / wall:.0f}%)", flush=True)  # fmt: skip
+    for key in ("self_device_time_total", "self_cpu_time_total"):
+        print(events.table(sort_by=key, row_limit=15, max_name_column_width=60), flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32, 128, 256])
@@ -113,10 +138,19 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=0, help="pad every batch to at least this width")
     ap.add_argument("--attns", nargs="+", default=["sdpa"],
                     help="attention implementations: sdpa, sdpa-gqa, flex_attention, eager")  # fmt: skip
+    ap.add_argument("--profile", type=int, default=0, metavar="BATCH",
+                    help="instead: profile one batch of BATCH rows per --attns/--caches through "
+                         "the stage's path (after a warm-up) and print its top ops")  # fmt: skip
     args = ap.parse_args()
     device = torch.device("cuda")
     model = build_model(device)
     ps = prompts(args.prompts, model.config.vocab_size, lengths_file=args.lengths_file)
+    if args.profile:
+        for attn in args.attns:
+            for cache in args.caches:
+                profile(build_model(device, attn), ps, args.profile, args.new_tokens, cache,
+                        args.width, f"{attn}, {cache} cache")  # fmt: skip
+        return
     base = bench_plain(model, ps[:8], args.new_tokens)
     rows = [{"method": "generate() batch 1", "batch": 1, "tok_s": base, "ratio": 1.0}]
     for attn in args.attns:
