@@ -6,11 +6,13 @@ finished stages instead of redoing them, and the summary table reports both."""
 
 import importlib.util
 import json
+import os
 import shutil
 import subprocess
 import sys
 import tarfile
 
+import pyarrow.parquet as pq
 import pytest
 from conftest import REPO, worker_cores, write_yaml
 
@@ -140,6 +142,25 @@ def test_quality_driver_main_and_variants(tmp_path, smollm2_dir, tiny_target_dir
     part.write_bytes(part.read_bytes()[:-1])
     assert not quality.restore(tmp_path / "third", "main", damaged, configs)
     assert quality.restore(tmp_path / "fourth", "main", kept, configs)  # the same config: restored
+
+    # A shard cut short on one machine finishes on another: its part files travel with the kept
+    # answers, and the next machine regenerates only the batches they lack.
+    (restored / seq).unlink()
+    kill = {**os.environ, "DFLASHPIPE_KILL_AT": "regenerate.batch:2"}  # after 2 of its 2 batches
+    cut = subprocess.run(again, capture_output=True, text=True, timeout=600, env=kill)
+    assert cut.returncode != 0 and not (restored / seq).exists()
+    assert len(list((restored / "sequences").glob(".shard-00000.parquet.parts/part-*"))) == 1
+    quality.keep(fresh, ["main"], tmp_path / "kept-cut")
+    other = tmp_path / "other-machine"
+    resume = [sys.executable, str(REPO / "benchmarks" / "quality.py"), "main", "--runs", str(other),
+              "--configfile", str(tiny), "--restore", str(tmp_path / "kept-cut"), "--target",
+              "regenerate"]  # fmt: skip
+    done = subprocess.run(resume, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    finished = other / "quality-main" / "results"
+    assert pq.read_table(finished / seq).to_pylist() == pq.read_table(main / seq).to_pylist()
+    log = (finished / "logs" / "regenerate" / "shard-00000.log").read_text()
+    assert log.count("prompts, shape") == 1  # the other batch came from the kept part
 
 
 def test_a_run_trained_but_not_evaluated_has_a_row_of_training_figures(tmp_path):

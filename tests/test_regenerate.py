@@ -85,6 +85,31 @@ def test_interrupted_shard_resumes_to_the_same_bytes(tiny_target_dir, prompts_fi
     assert not PartStore(out).dir.exists()
 
 
+def test_parts_left_by_another_plan_are_discarded_not_mixed_in(
+    tiny_target_dir, prompts_file, tmp_path, caplog
+):
+    # an interrupted shard's settings edited before the rerun: its parts hold answers of at
+    # most 4 tokens, which the 8-token rerun must not take as its own
+    short, full = _cfg(tiny_target_dir, max_new_tokens=4), _cfg(tiny_target_dir)
+    whole = tmp_path / "whole.parquet"
+    run(full, str(prompts_file), 0, str(whole))
+    out = tmp_path / "edited.parquet"
+    assert run(short, str(prompts_file), 0, str(out), max_batches=1) is False
+    assert len(PartStore(out).done()) == 1
+    with caplog.at_level("WARNING"):
+        assert run(full, str(prompts_file), 0, str(out))
+    assert "1 part files were made with another plan" in caplog.text
+    assert _table(out).to_pylist() == _table(whole).to_pylist()
+    # the same settings again: the parts are resumed, nothing discarded
+    again = tmp_path / "again.parquet"
+    assert run(full, str(prompts_file), 0, str(again), max_batches=1) is False
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        assert run(full, str(prompts_file), 0, str(again))
+    assert "another plan" not in caplog.text
+    assert _table(again).to_pylist() == _table(whole).to_pylist()
+
+
 def test_completed_shard_is_never_redone(tiny_target_dir, prompts_file, tmp_path):
     cfg = _cfg(tiny_target_dir)
     out = tmp_path / "s.parquet"

@@ -24,6 +24,7 @@ import logging
 import shutil
 import time
 from collections import Counter
+from dataclasses import asdict
 from pathlib import Path
 
 import pyarrow as pa
@@ -126,6 +127,26 @@ class PartStore:
     def __init__(self, out: Path):
         self.dir = out.parent / f".{out.name}.parts"
 
+    def bind(self, plan: str) -> None:
+        """Tie the parts to the plan that makes them (`plan`: a digest of the stage's settings,
+        the target and the batches). Parts that another plan left (an edited config, another
+        target or prompt table) are not this shard's answers: discarded, with a warning, not
+        mixed in."""
+        key = self.dir / "plan.sha256"
+        if self.dir.is_dir() and (not key.is_file() or key.read_text() != plan):
+            if n := len(self.done()):
+                log.warning(
+                    "%s: %d part files were made with another plan (the regenerate section, the "
+                    "target or the prompts differ); discarding them and starting over",
+                    self.dir,
+                    n,
+                )
+            self.clear()
+        if not key.is_file():
+            self.dir.mkdir(parents=True, exist_ok=True)
+            with atomic_path(key) as tmp:
+                tmp.write_text(plan)
+
     def done(self) -> dict[int, Path]:
         if not self.dir.is_dir():
             return {}
@@ -206,12 +227,25 @@ def dedupe_answers(rows: list[dict], stats: Counter) -> list[dict]:
     return out
 
 
+def plan_digest(
+    gen: RegenerateConfig, target: str, width: int, batches: list[list[list[int]]], shard: int
+) -> str:
+    """What a shard's part files depend on: the stage's settings, the target, the padded width
+    and every batch's prompt tokens, in order."""
+    h = hashlib.sha256(json.dumps([asdict(gen), target, width, shard], sort_keys=True).encode())
+    for batch in batches:
+        for ids in batch:
+            h.update(repr(ids).encode())
+        h.update(b"|")
+    return h.hexdigest()
+
+
 def regenerate_rows(rows, model, tok, gen: RegenerateConfig, budget: int, parts: PartStore,
-                    max_batches: int | None = None, shard: int = 0
+                    max_batches: int | None = None, shard: int = 0, target: str = ""
                     ) -> tuple[list[dict], Counter, bool]:  # fmt: skip
     """Generate `samples_per_prompt` answers for each of `rows`, saving a part file every
     `save_every` prompts; returns (rows, stats, finished). Stops at a part boundary once
-    `max_batches` have run."""
+    `max_batches` have run. `target` (the target's identity) joins the parts' plan."""
     eot = end_of_turn_ids(tok)
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else min(eot)
     kinds = {sampled(gen, s) for s in range(gen.samples_per_prompt)}
@@ -227,6 +261,7 @@ def regenerate_rows(rows, model, tok, gen: RegenerateConfig, budget: int, parts:
     static = next(iter(configs.values())).cache_implementation == "static"
     width = padded_shape([len(prompts[i]) for i in keep], 1)[1] if static and keep else 0
     batches = [[keep[i] for i in b] for b in by_length]
+    parts.bind(plan_digest(gen, target, width, [[prompts[i] for i in b] for b in batches], shard))
     per_part = max(1, gen.save_every // gen.batch_size)
     done = parts.done()
     # part files are numbered by their first batch, answer s's batches after answer s-1's
@@ -237,6 +272,13 @@ def regenerate_rows(rows, model, tok, gen: RegenerateConfig, budget: int, parts:
         if s * len(batches) + k not in done
     ]
     total = len(keep) * gen.samples_per_prompt
+    if done:
+        log.info(
+            "resuming: %d of %d part files already done in %s",
+            len(done),
+            len(todo) + len(done),
+            parts.dir,
+        )
     bar = tqdm(total=total, desc="regenerate", unit=" answer", mininterval=2)
     bar.update(total - sum(len(b) for _, k in todo for b in batches[k : k + per_part]))
     ran, new_tokens, start = 0, 0, time.perf_counter()
@@ -299,6 +341,7 @@ def run(
     rows = shard_rows(Path(prompts_path), shard, gen.shards)
     budget = cfg.section("extract")["max_length"]
     parts = PartStore(out_path)
+    identity = None  # the target's, hashed once (its weight files can be large)
     if not gen.enabled:
         tok = load_tokenizer(cfg.target)
         stats: Counter = Counter()
@@ -307,8 +350,9 @@ def run(
         with stage_device(cfg.devices.extract, shard, "devices.extract") as device:
             log.info("shard %d: %d prompts on %s", shard, len(rows), device)
             model, tok = load_target(cfg.target, device)
+            identity = target_identity(cfg.target, tok).to_json()
             seqs, stats, finished = regenerate_rows(
-                rows, model, tok, gen, budget, parts, max_batches, shard
+                rows, model, tok, gen, budget, parts, max_batches, shard, identity
             )
             if not finished:
                 log.info("stopped after %d batches; rerun to finish %s", max_batches, out_path)
@@ -316,7 +360,7 @@ def run(
     order = {r["prompt_id"]: k for k, r in enumerate(rows)}
     seqs.sort(key=lambda r: order[r["prompt_id"]])  # stable: a prompt's answers by sample index
     meta = {
-        "target": target_identity(cfg.target, tok).to_json(),
+        "target": identity or target_identity(cfg.target, tok).to_json(),
         "regenerate": json.dumps(cfg.section("regenerate"), sort_keys=True),
         "stats": json.dumps({"prompts": len(rows), "samples": len(seqs), **stats}),
         "shard": f"{shard}/{gen.shards}",
