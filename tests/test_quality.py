@@ -122,8 +122,13 @@ def test_quality_driver_main_and_variants(tmp_path, smollm2_dir, tiny_target_dir
     parts = sorted(kept.glob("answers-main-*.part-*"))
     assert parts, sorted(kept.iterdir())
     fresh = tmp_path / "fresh"
-    again = [sys.executable, str(REPO / "benchmarks" / "quality.py"), "main", "--runs", str(fresh),
-             "--configfile", str(tiny), "--restore", str(kept), "--target", "regenerate"]  # fmt: skip
+
+    def restored_run(runs_dir, kept_dir):  # main on another machine, from answers kept there
+        return [sys.executable, str(REPO / "benchmarks" / "quality.py"), "main", "--runs",
+                str(runs_dir), "--configfile", str(tiny), "--restore", str(kept_dir), "--target",
+                "regenerate"]  # fmt: skip
+
+    again = restored_run(fresh, kept)
     done = subprocess.run(again, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "restore:" in done.stdout and "kept answers into" in done.stdout
@@ -152,10 +157,9 @@ def test_quality_driver_main_and_variants(tmp_path, smollm2_dir, tiny_target_dir
     assert len(list((restored / "sequences").glob(".shard-00000.parquet.parts/part-*"))) == 1
     quality.keep(fresh, ["main"], tmp_path / "kept-cut")
     other = tmp_path / "other-machine"
-    resume = [sys.executable, str(REPO / "benchmarks" / "quality.py"), "main", "--runs", str(other),
-              "--configfile", str(tiny), "--restore", str(tmp_path / "kept-cut"), "--target",
-              "regenerate"]  # fmt: skip
-    done = subprocess.run(resume, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        restored_run(other, tmp_path / "kept-cut"), capture_output=True, text=True, timeout=600
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     finished = other / "quality-main" / "results"
     assert pq.read_table(finished / seq).to_pylist() == pq.read_table(main / seq).to_pylist()

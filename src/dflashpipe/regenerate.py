@@ -12,8 +12,9 @@ generator seeded by (seed, shard, sample index, batch), so a rerun or a resumed 
 numbers; it gives the same answers where the kernels are deterministic (the CPU; batched bf16
 decoding on a GPU is not bit-exact from run to run, greedy answers included). Batches are fixed
 up front from the whole shard, so a resumed run decodes the same batches as an uninterrupted one;
-finished batches live in part files beside the output and are never redone. With `regenerate.enabled: false` the rows hold the
-datasets' own answers, tokenized with an assistant-only mask.
+finished batches live in part files beside the output and are never redone. With
+`regenerate.enabled: false` the rows hold the datasets' own answers, tokenized with an
+assistant-only mask.
 """
 
 from __future__ import annotations
@@ -341,16 +342,16 @@ def run(
     rows = shard_rows(Path(prompts_path), shard, gen.shards)
     budget = cfg.section("extract")["max_length"]
     parts = PartStore(out_path)
-    identity = None  # the target's, hashed once (its weight files can be large)
     if not gen.enabled:
         tok = load_tokenizer(cfg.target)
+        identity = target_identity(cfg.target, tok).to_json()
         stats: Counter = Counter()
         seqs = dataset_rows(rows, tok, gen.enable_thinking, stats)
     else:
         with stage_device(cfg.devices.extract, shard, "devices.extract") as device:
             log.info("shard %d: %d prompts on %s", shard, len(rows), device)
             model, tok = load_target(cfg.target, device)
-            identity = target_identity(cfg.target, tok).to_json()
+            identity = target_identity(cfg.target, tok).to_json()  # hashed once: the plan's too
             seqs, stats, finished = regenerate_rows(
                 rows, model, tok, gen, budget, parts, max_batches, shard, identity
             )
@@ -360,7 +361,7 @@ def run(
     order = {r["prompt_id"]: k for k, r in enumerate(rows)}
     seqs.sort(key=lambda r: order[r["prompt_id"]])  # stable: a prompt's answers by sample index
     meta = {
-        "target": identity or target_identity(cfg.target, tok).to_json(),
+        "target": identity,
         "regenerate": json.dumps(cfg.section("regenerate"), sort_keys=True),
         "stats": json.dumps({"prompts": len(rows), "samples": len(seqs), **stats}),
         "shard": f"{shard}/{gen.shards}",
