@@ -9,6 +9,7 @@ from conftest import base_config, write_yaml
 from dflashpipe.config import Config, PromptsConfig, SourceConfig
 from dflashpipe.prompts import (
     BadConversation,
+    _prompts_of,
     build,
     normalize_turns,
     prompt_key,
@@ -16,6 +17,7 @@ from dflashpipe.prompts import (
     run,
     train_quotas,
 )
+from dflashpipe.sources import DropLog, RawConversation
 
 
 def _build(data_dir, **overrides):
@@ -101,6 +103,33 @@ def test_prompt_id_is_a_content_hash():
     c = [{"role": "system", "content": "What is this?"}]
     assert prompt_key(a) == prompt_key(b) != prompt_key(c)
     assert len(prompt_key(a)) == 20
+
+
+def test_prompt_ids_stay_what_they_were(data_dir):
+    """Kept answers and earlier runs are keyed by prompt_id: the key is still sha256 of the
+    (role, NFKC text with regex \\s+ runs made one space, stripped) list, for every Unicode
+    space, and a conversation's turns get the keys their histories get alone."""
+    import hashlib
+    import json
+    import re
+    import unicodedata
+
+    def reference(messages):
+        canon = [(m["role"], re.sub(r"\s+", " ", unicodedata.normalize("NFKC", m["content"]))
+                  .strip()) for m in messages]  # fmt: skip
+        return hashlib.sha256(json.dumps(canon, ensure_ascii=False).encode()).hexdigest()[:20]
+
+    spaces = (
+        " \t\n\r\x0b\x0c\x1c\x1d\x1e\x1f\x85\xa0\u1680\u2003\u2028\u2029\u202f\u3000\u200b\ufeff"
+    )
+    texts = [f"{s}a{s}{s}b\u0301{s}" for s in spaces] + ["ﬁ  ①", "", "x"]
+    conv = [{"role": ("user", "assistant")[i % 2], "content": t} for i, t in enumerate(texts)]
+    for i in range(1, len(conv) + 1):
+        assert prompt_key(conv[:i]) == reference(conv[:i]), repr(texts[i - 1])
+    turns = [(m["role"], m["content"] or ".") for m in conv]
+    cfg = Config.from_dict(base_config(data_dir, min_chars=1)).prompts
+    got = _prompts_of(RawConversation("c", "f:0", turns), cfg.sources[0], cfg, DropLog())
+    assert got and all(p.prompt_id == reference(p.messages) for p in got)
 
 
 def test_eval_split_holds_out_whole_conversations(data_dir):

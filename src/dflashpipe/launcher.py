@@ -1,6 +1,7 @@
 """How the train stage starts: torchrun with one process per `devices.train` GPU (or gloo CPU
 processes), one agent per node under a multi-node SLURM job. `dflashpipe.train.main` is what
-each process runs."""
+each process runs. A single process on one node runs without torchrun: there is no group to
+form, and the agent's interpreter (it imports torch) cost a CPU test job 4 s of its 16."""
 
 from __future__ import annotations
 
@@ -44,7 +45,8 @@ def _slurm_nodes() -> list[str]:
 def launch(config_path: str, manifest: str, run_dir: str, drafter: str, metrics: str) -> None:
     """Run torchrun with one process per `devices.train` GPU (held by leases for the whole run),
     or `train.cpu_processes` gloo processes when there is no GPU. In a multi-node SLURM job
-    (train.nodes > 1), srun starts one torchrun agent per node, meeting at the first node."""
+    (train.nodes > 1), srun starts one torchrun agent per node, meeting at the first node. One
+    process on one node is started directly (module docstring)."""
     from dflashpipe.devices import resolve_devices, scheduler_assigned, visible_gpus
     from dflashpipe.leases import lease_device
 
@@ -82,11 +84,13 @@ def launch(config_path: str, manifest: str, run_dir: str, drafter: str, metrics:
                 "--ntasks-per-node=1",
                 *run,
             ]
-        else:
+        elif nproc > 1:
             cmd = torchrun_command(1, nproc, None, "local", "dflashpipe.train", args)
+        else:  # train.main without WORLD_SIZE: no process group, world 1
+            cmd = [sys.executable, "-m", "dflashpipe.train", *args]
+            for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+                env.pop(key, None)
         log.info("launching %s", " ".join(cmd))
         done = subprocess.run(cmd, env=env)
     if done.returncode != 0:
-        raise DflashpipeError(
-            f"training failed (torchrun exit {done.returncode}); see the log above"
-        )
+        raise DflashpipeError(f"training failed (exit {done.returncode}); see the log above")

@@ -11,7 +11,6 @@ import hashlib
 import json
 import logging
 import random
-import re
 import unicodedata
 from collections import Counter
 from dataclasses import dataclass
@@ -88,12 +87,17 @@ def normalize_turns(turns: list[tuple[str, str]], extra_roles: dict[str, str]) -
     return out
 
 
-def prompt_key(messages: list[dict]) -> str:
-    """Content hash of the normalized messages: the stable prompt_id and the dedupe key."""
-    canon = [
-        (m["role"], re.sub(r"\s+", " ", unicodedata.normalize("NFKC", m["content"])).strip())
-        for m in messages
-    ]
+def canonical(message: dict) -> tuple[str, str]:
+    """A message as the prompt key sees it: (role, NFKC text with every whitespace run made one
+    space, ends stripped). `str.split()` splits on the characters regex `\\s` matches."""
+    return message["role"], " ".join(unicodedata.normalize("NFKC", message["content"]).split())
+
+
+def prompt_key(messages: list[dict], canon: list[tuple[str, str]] | None = None) -> str:
+    """Content hash of the normalized messages: the stable prompt_id and the dedupe key.
+    `canon`: the messages' canonical() forms, when the caller has them (a conversation's turns
+    share their history: each message is normalized once, not once per later turn)."""
+    canon = [canonical(m) for m in messages] if canon is None else canon
     return hashlib.sha256(json.dumps(canon, ensure_ascii=False).encode()).hexdigest()[:20]
 
 
@@ -106,16 +110,16 @@ def expand(conv: list[dict]) -> list[tuple]:
     ]
 
 
-def passes_filters(p: Prompt, cfg: PromptsConfig) -> str | None:
-    """The reason a prompt is filtered out, or None."""
-    chars = sum(len(m["content"]) for m in p.messages)
+def passes_filters(messages: list[dict], reference: str | None, cfg: PromptsConfig) -> str | None:
+    """The reason a prompt (its messages and the dataset's answer) is filtered out, or None."""
+    chars = sum(len(m["content"]) for m in messages)
     if chars < cfg.min_chars:
         return "too_short"
     if cfg.max_chars is not None and chars > cfg.max_chars:
         return "too_long"
-    if cfg.max_turns is not None and sum(m["role"] == "user" for m in p.messages) > cfg.max_turns:
+    if cfg.max_turns is not None and sum(m["role"] == "user" for m in messages) > cfg.max_turns:
         return "too_many_turns"
-    if cfg.max_reference_chars is not None and len(p.reference or "") > cfg.max_reference_chars:
+    if cfg.max_reference_chars is not None and len(reference or "") > cfg.max_reference_chars:
         return "reference_too_long"
     return None
 
@@ -152,16 +156,15 @@ def _prompts_of(raw: RawConversation, src: SourceConfig, cfg: PromptsConfig, dro
         items = [it for it in items if it[2] is not None]
     if not cfg.expand_turns:
         items = items[-1:]  # earlier turns stay in the history of the last one
-    out = []
+    out, canon = [], []  # canonical() of conv's messages, made as far as a kept turn needs
     for turn, history, answer in items:
-        p = Prompt(
-            prompt_key(history), src.name, raw.conversation_id, turn, history, answer, raw.origin
-        )
-        reason = passes_filters(p, cfg)
+        reason = passes_filters(history, answer, cfg)
         if reason:
             drops.drop(reason, raw.origin, f"turn {turn}")
-        else:
-            out.append(p)
+            continue
+        canon += [canonical(m) for m in history[len(canon) :]]
+        key = prompt_key(history, canon[: len(history)])
+        out.append(Prompt(key, src.name, raw.conversation_id, turn, history, answer, raw.origin))
     return out
 
 

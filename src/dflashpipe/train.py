@@ -483,7 +483,7 @@ class Trainer:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Entry point of one torchrun process."""
+    """Entry point of one training process: a torchrun worker, or the only process."""
     ap = argparse.ArgumentParser(prog="dflashpipe.train")
     ap.add_argument("--config", required=True)
     ap.add_argument("--manifest", required=True)
