@@ -116,7 +116,34 @@ SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 @pytest.fixture(scope="session")
-def tiny_target_dir(smollm2_dir, tmp_path_factory) -> Path:
+def smollm2_cache(smollm2_dir, tmp_path_factory) -> Path:
+    """A $DFLASHPIPE_CACHE holding SmolLM2's GGUF converted by dflashpipe.target.gguf_cache (the
+    tokenizer parse alone takes 10 s, the weights 30 s): made once per run, for the tests that
+    need SmolLM2's tokenizer or weights and for the default workflow's jobs."""
+
+    def build(out: Path) -> None:
+        import dflashpipe.storage as storage
+        from dflashpipe.config import TargetConfig
+        from dflashpipe.target import gguf_cache
+
+        before, storage.CACHE_DIR = storage.CACHE_DIR, out
+        try:
+            assert gguf_cache(TargetConfig(model=str(smollm2_dir), gguf_file=SMOLLM2_GGUF))
+        finally:
+            storage.CACHE_DIR = before
+
+    return shared_dir(tmp_path_factory, "smollm2-cache", build)
+
+
+@pytest.fixture(scope="session")
+def smollm2_converted(smollm2_cache) -> Path:
+    """The HF directory smollm2_cache holds: SmolLM2's tokenizer, config and float32 weights."""
+    (converted,) = (smollm2_cache / "gguf").iterdir()
+    return converted
+
+
+@pytest.fixture(scope="session")
+def tiny_target_dir(smollm2_converted, tmp_path_factory) -> Path:
     """A local HF target: SmolLM2's real tokenizer and chat template on a 2-layer, hidden-64
     Llama with seeded random weights (fast enough for CPU tests of the target-side stages)."""
 
@@ -124,9 +151,7 @@ def tiny_target_dir(smollm2_dir, tmp_path_factory) -> Path:
         import torch
         from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-        tok = AutoTokenizer.from_pretrained(
-            str(smollm2_dir), gguf_file=SMOLLM2_GGUF, local_files_only=True
-        )
+        tok = AutoTokenizer.from_pretrained(str(smollm2_converted), local_files_only=True)
         tok.save_pretrained(out)
         config = LlamaConfig(
             vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -235,9 +260,11 @@ def tiny_workflow_config(path: Path, target: Path, data_dir: Path) -> Path:
 SNAKEMAKE = [sys.executable, "-m", "snakemake", "--snakefile", str(REPO / "Snakefile")]
 
 
-def snakemake(workdir: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+def snakemake(
+    workdir: Path, *args: str, check: bool = True, env: dict | None = None
+) -> subprocess.CompletedProcess:
     cmd = [*SNAKEMAKE, "--directory", str(workdir), *args]
-    done = subprocess.run(cmd, capture_output=True, text=True)
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if check and done.returncode != 0:
         raise AssertionError(
             f"{' '.join(cmd)} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
@@ -246,16 +273,18 @@ def snakemake(workdir: Path, *args: str, check: bool = True) -> subprocess.Compl
 
 
 @pytest.fixture(scope="session")
-def default_workflow(smollm2_dir, tmp_path_factory) -> Path:
+def default_workflow(smollm2_dir, smollm2_cache, tmp_path_factory) -> Path:
     """One `snakemake --cores N` run of the embedded default with fewer prompts, tokens and steps
     (small_default_config): retrieve, prompts, two regenerate and two extract shards with the
     real SmolLM2 target, the manifest, training to an exported drafter, its evaluation and the
-    report. Every test that only reads a default run's outputs reads this one."""
+    report. Every test that only reads a default run's outputs reads this one. Its jobs find the
+    GGUF already converted (smollm2_cache), as every run after a machine's first does."""
 
     def build(work: Path) -> None:
         config = small_default_config(work / "small.yaml")
         (work / "resources").symlink_to(REPO / "resources")  # reuse the 93 MB model download
-        snakemake(work, "--cores", str(worker_cores()), "--configfile", str(config))
+        env = {**os.environ, "DFLASHPIPE_CACHE": str(smollm2_cache)}
+        snakemake(work, "--cores", str(worker_cores()), "--configfile", str(config), env=env)
 
     return shared_dir(tmp_path_factory, "default-workflow", build)
 

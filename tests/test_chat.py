@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 from conftest import SMOLLM2_GGUF
 from tokenizers import Regex, pre_tokenizers, processors
-from transformers import AutoTokenizer
 
 from dflashpipe.chat import encode_chat, encode_prompt, end_of_turn_ids
 from dflashpipe.errors import DataError
@@ -49,10 +48,18 @@ def assistant(text: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def smollm2(smollm2_dir: Path):
-    return AutoTokenizer.from_pretrained(
-        str(smollm2_dir), gguf_file=SMOLLM2_GGUF, local_files_only=True
-    )
+def smollm2(smollm2_dir: Path, smollm2_cache: Path):
+    """SmolLM2's tokenizer as dflashpipe loads it: from the GGUF's conversion (smollm2_cache),
+    named after the GGUF file."""
+    import dflashpipe.storage as storage
+    from dflashpipe.config import TargetConfig
+    from dflashpipe.target import load_tokenizer
+
+    before, storage.CACHE_DIR = storage.CACHE_DIR, smollm2_cache
+    try:
+        return load_tokenizer(TargetConfig(model=str(smollm2_dir), gguf_file=SMOLLM2_GGUF))
+    finally:
+        storage.CACHE_DIR = before
 
 
 def with_template(tok, template: str):

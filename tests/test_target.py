@@ -16,7 +16,15 @@ def test_local_hf_directory(tiny_target_dir):
     assert tok.eos_token == "<|im_end|>"
 
 
-def test_identity_is_stable_and_sensitive(tiny_target_dir, smollm2_dir):
+@pytest.fixture
+def converted_smollm2(smollm2_cache, monkeypatch):
+    """GGUF loads in this test find the run's conversion of SmolLM2 (smollm2_cache)."""
+    import dflashpipe.storage as storage
+
+    monkeypatch.setattr(storage, "CACHE_DIR", smollm2_cache)
+
+
+def test_identity_is_stable_and_sensitive(tiny_target_dir, smollm2_dir, converted_smollm2):
     hf = TargetConfig(model=str(tiny_target_dir))
     tok = load_tokenizer(hf)
     a, b = target_identity(hf, tok), target_identity(hf, tok)
@@ -27,9 +35,10 @@ def test_identity_is_stable_and_sensitive(tiny_target_dir, smollm2_dir):
     assert g.tokenizer_sha256 == a.tokenizer_sha256  # same tokenizer, saved and reloaded
     assert g.chat_template_sha256 == a.chat_template_sha256
     assert g.name.endswith(SMOLLM2_GGUF)
+    assert load_tokenizer(gguf).name_or_path == str(smollm2_dir / SMOLLM2_GGUF)  # for messages
 
 
-def test_gguf_target_loads_and_answers(smollm2_dir):
+def test_gguf_target_loads_and_answers(smollm2_dir, converted_smollm2):
     cfg = TargetConfig(model=str(smollm2_dir), gguf_file=SMOLLM2_GGUF)
     model, tok = load_target(cfg, torch.device("cpu"))
     assert model.config.num_hidden_layers == 30 and model.config.hidden_size == 576
@@ -55,15 +64,14 @@ def test_missing_local_target_is_named():
         load_target(TargetConfig(model="resources/nothing-here"), torch.device("cpu"))
 
 
-def test_gguf_cache_matches_a_direct_gguf_load(smollm2_dir, tmp_path, monkeypatch):
-    """The converted directory gives the GGUF's own weights, tokenizer and template (every
-    weight, base model and LM head), is made once, and is shared by the next load."""
+def test_gguf_cache_matches_a_direct_gguf_load(smollm2_dir, smollm2_cache, converted_smollm2):
+    """The converted directory (made by gguf_cache for the whole run: smollm2_cache) gives the
+    GGUF's own weights, tokenizer and template (every weight, base model and LM head), and is
+    shared by the next load, not made again."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    import dflashpipe.storage as storage
     import dflashpipe.target as target
 
-    monkeypatch.setattr(storage, "CACHE_DIR", tmp_path / "cache")
     cfg = TargetConfig(model=str(smollm2_dir), gguf_file=SMOLLM2_GGUF)
     direct = AutoModelForCausalLM.from_pretrained(
         str(smollm2_dir), gguf_file=SMOLLM2_GGUF, dtype=torch.float32, local_files_only=True
@@ -71,7 +79,7 @@ def test_gguf_cache_matches_a_direct_gguf_load(smollm2_dir, tmp_path, monkeypatc
     direct_tok = AutoTokenizer.from_pretrained(str(smollm2_dir), gguf_file=SMOLLM2_GGUF)
     model, tok = load_target(cfg, torch.device("cpu"))
     cached = target.gguf_cache(cfg)
-    assert cached.parent == tmp_path / "cache" / "gguf" and (cached / "model.safetensors").is_file()
+    assert cached.parent == smollm2_cache / "gguf" and (cached / "model.safetensors").is_file()
     expected = direct.state_dict()
     got = model.state_dict()
     assert sorted(got) == sorted(expected)

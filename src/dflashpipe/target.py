@@ -146,6 +146,8 @@ def load_tokenizer(cfg: TargetConfig, source: tuple[str, dict] | None = None):
         tok = AutoTokenizer.from_pretrained(name, **kwargs)
     except OSError as e:
         raise DataError(f"cannot load the tokenizer of target {name!r}: {e}") from None
+    if not cfg.tokenizer and cfg.gguf_file and name != cfg.model:  # loaded from the conversion
+        tok.name_or_path = str(Path(cfg.model) / cfg.gguf_file)  # messages name the user's file
     if tok.chat_template is None:
         raise DataError(f"the tokenizer of target {name!r} has no chat template")
     return tok
