@@ -10,11 +10,34 @@ import os
 import subprocess
 import sys
 from contextlib import ExitStack
+from pathlib import Path
 
 from dflashpipe.config import load_config
 from dflashpipe.errors import DflashpipeError
 
 log = logging.getLogger("dflashpipe.train")
+
+
+def die_with_parent() -> None:
+    """In a torchrun worker: have the kernel SIGKILL this process when its agent dies (Linux;
+    elsewhere nothing). torchrun starts each worker in a session of its own, so a SIGKILL of the
+    job's process group (a killed Snakemake, a lost login) reached the agent but not the
+    workers: they trained on, writing into the run directory the rerun resumes from. A worker
+    whose parent is no longer a torchrun agent (it died before this call) stops at once."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    parent = os.getppid()
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+    try:
+        cmdline = Path(f"/proc/{parent}/cmdline").read_bytes()
+    except OSError:
+        cmdline = b""
+    if b"torch.distributed.run" not in cmdline and b"torchrun" not in cmdline:
+        log.error("the torchrun agent that started this worker is gone; stopping")
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def torchrun_command(nodes: int, procs_per_node: int, endpoint: str | None, run_id: str,

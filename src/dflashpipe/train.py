@@ -44,6 +44,7 @@ from dflashpipe.data import (
 )
 from dflashpipe.errors import DataError
 from dflashpipe.export import save_drafter
+from dflashpipe.launcher import die_with_parent
 from dflashpipe.loss import block_labels, block_soft_targets, default_gamma, dflash_loss
 from dflashpipe.metrics import MetricsLog, expected_acceptance, step_flops
 from dflashpipe.model import FROZEN_PREFIXES, Drafter, DrafterConfig, init_from_target_layers
@@ -497,6 +498,8 @@ def main(argv: list[str] | None = None) -> None:
     cfg = load_config(args.config)
     use_cuda = torch.cuda.is_available() and os.environ.get("DFLASHPIPE_DEVICE", "") != "cpu"
     if "WORLD_SIZE" in os.environ:
+        if "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun worker: no life after its agent
+            die_with_parent()
         dist.init_process_group("nccl" if use_cuda else "gloo")
     local = int(os.environ.get("LOCAL_RANK", 0))
     device = torch.device("cuda", local) if use_cuda else torch.device("cpu")
