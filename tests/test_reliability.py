@@ -23,6 +23,7 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
+import psutil
 import pytest
 from conftest import REPO, worker_cores
 
@@ -287,6 +288,13 @@ def _snakemake(work: Path, config: Path, *extra: str) -> subprocess.Popen:
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
 
 
+def _cwd(proc) -> Path | None:
+    try:
+        return Path(proc.cwd())
+    except psutil.Error:  # gone, or not ours to read
+        return None
+
+
 def _finished(work: Path, config: Path, *extra: str) -> None:
     p = _snakemake(work, config, *extra)
     assert p.wait(timeout=900) == 0, (work.parent / f"{work.name}.log").read_text()[-4000:]
@@ -295,9 +303,11 @@ def _finished(work: Path, config: Path, *extra: str) -> None:
 @pytest.mark.slow
 def test_killed_snakemake_resumes(tmp_path, tiny_target_dir, data_dir):
     """SIGKILL the Snakemake process group (Snakemake and its running jobs, as when a login
-    session or node dies) at seeded moments; `snakemake --unlock` and a rerun with
-    --rerun-incomplete complete the workflow with the uninterrupted run's shards, the same
-    loss curve, and no temporary files."""
+    session or node dies) at seeded moments, one kill per attempt in the same run directory,
+    each followed by `snakemake --unlock` and a rerun with --rerun-incomplete (which the next
+    kill cuts short again): no job outlives its group, and the last rerun completes the
+    workflow with the uninterrupted run's shards, the same loss curve, and no temporary
+    files."""
     import time
 
     from conftest import tiny_workflow_config
@@ -310,35 +320,35 @@ def test_killed_snakemake_resumes(tmp_path, tiny_target_dir, data_dir):
     took = time.monotonic() - start
     rng = random.Random(SEED)
     kills = int(os.environ.get("DFLASHPIPE_SNAKEMAKE_KILLS", "2"))
+    work = tmp_path / "killed"
+    work.mkdir()
     report = []
     for i in range(kills):
-        work = tmp_path / f"killed-{i}"
-        work.mkdir()
-        delay = rng.uniform(i + 0.1, i + 0.9) / kills * took  # one kill per slice of the run
-        p = _snakemake(work, config)
+        # an attempt resumes where the last one stopped, so its kill lands later in the workflow;
+        # a delay under half the whole run's time leaves every attempt work to be cut short in
+        delay = rng.uniform(0.1, 0.9) / kills * took
+        p = _snakemake(work, config, *(RESUME_FLAGS if i else ()))
         time.sleep(delay)
+        assert p.poll() is None, f"attempt {i} finished before its kill at {delay:.1f} s"
         os.killpg(p.pid, signal.SIGKILL)
         p.wait()
+        time.sleep(0.5)
+        left = [q.cmdline() for q in psutil.process_iter() if _cwd(q) == work]
+        assert not left, f"jobs outlived the killed Snakemake: {left}"
         done = sorted(str(f.relative_to(work / "results")) for f in (work / "results").rglob("*")
                       if f.is_file() and "logs" not in f.parts and "benchmarks" not in f.parts)  # fmt: skip
+        report.append(f"snakemake  attempt {i} killed at {delay:5.1f} s (whole run {took:.1f} s); "
+                      f"finished by then: {len(done)} files ({', '.join(done[-3:]) or '-'} ...)")  # fmt: skip
         _finished(work, config, "--unlock")
-        _finished(work, config, *RESUME_FLAGS)
-        for rel in ("sequences/shard-00000.parquet", "sequences/shard-00001.parquet",
-                    "features/shard-00000.arrow", "features/shard-00001.arrow"):  # fmt: skip
-            assert (work / "results" / rel).read_bytes() == (ref / "results" / rel).read_bytes(), (
-                rel
-            )
-        whole = [
-            json.loads(x) for x in (ref / "results/train/metrics.jsonl").read_text().splitlines()
-        ]
-        got = [
-            json.loads(x) for x in (work / "results/train/metrics.jsonl").read_text().splitlines()
-        ]
-        assert [r["step"] for r in got] == [r["step"] for r in whole]
-        for a, b in zip(whole, got, strict=True):
-            assert b["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-5), a["step"]
-        assert (work / "results" / "report.md").is_file()
-        assert temp_files(work / "results") == []
-        report.append(f"snakemake  killed at {delay:5.1f} s of {took:.1f} s; finished then: "
-                      f"{len(done)} files ({', '.join(done[-3:]) or '-'} ...)")  # fmt: skip
+    _finished(work, config, *RESUME_FLAGS)
+    for rel in ("sequences/shard-00000.parquet", "sequences/shard-00001.parquet",
+                "features/shard-00000.arrow", "features/shard-00001.arrow"):  # fmt: skip
+        assert (work / "results" / rel).read_bytes() == (ref / "results" / rel).read_bytes(), rel
+    whole = [json.loads(x) for x in (ref / "results/train/metrics.jsonl").read_text().splitlines()]
+    got = [json.loads(x) for x in (work / "results/train/metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in got] == [r["step"] for r in whole]
+    for a, b in zip(whole, got, strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-4, abs=1e-5), a["step"]
+    assert (work / "results" / "report.md").is_file()
+    assert temp_files(work / "results") == []
     print("\n" + "\n".join(report))
