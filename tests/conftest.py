@@ -136,14 +136,7 @@ def smollm2_cache(smollm2_dir, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def smollm2_converted(smollm2_cache) -> Path:
-    """The HF directory smollm2_cache holds: SmolLM2's tokenizer, config and float32 weights."""
-    (converted,) = (smollm2_cache / "gguf").iterdir()
-    return converted
-
-
-@pytest.fixture(scope="session")
-def tiny_target_dir(smollm2_converted, tmp_path_factory) -> Path:
+def tiny_target_dir(smollm2_dir, tmp_path_factory) -> Path:
     """A local HF target: SmolLM2's real tokenizer and chat template on a 2-layer, hidden-64
     Llama with seeded random weights (fast enough for CPU tests of the target-side stages)."""
 
@@ -151,7 +144,11 @@ def tiny_target_dir(smollm2_converted, tmp_path_factory) -> Path:
         import torch
         from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-        tok = AutoTokenizer.from_pretrained(str(smollm2_converted), local_files_only=True)
+        # the tokenizer straight from the GGUF (10 s), not from smollm2_cache (40 s with the
+        # weights): every long test needs this target first, and one worker would wait on the other
+        tok = AutoTokenizer.from_pretrained(
+            str(smollm2_dir), gguf_file=SMOLLM2_GGUF, local_files_only=True
+        )
         tok.save_pretrained(out)
         config = LlamaConfig(
             vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
