@@ -337,18 +337,18 @@ def pytest_collection_modifyitems(config, items):
 
 
 LONGEST_FIRST = {  # seconds on the 2-core machine with two workers (tests/README.md)
-    "test_quality_driver_main_and_variants": 205,
-    "test_killed_snakemake_resumes": 195,
-    "test_every_stage_is_a_slurm_job_and_a_cancelled_one_is_retried": 155,
-    "test_workflow_outputs": 100,
-    "test_fsdp_matches_ddp_and_resumes_after_a_kill": 57,
-    "test_gguf_cache_matches_a_direct_gguf_load": 43,
-    "test_killed_run_resumes_on_the_same_curve": 41,
-    "test_train_survives_kills": 36,
-    "test_regenerate_survives_kills": 31,
-    "test_extract_survives_kills": 24,
-    "test_extract_on_a_full_disk": 20,
-    "test_compiled_layers_decode_as_the_eager_ones": 20,
+    "test_quality_driver_main_and_variants": 243,
+    "test_every_stage_is_a_slurm_job_and_a_cancelled_one_is_retried": 203,
+    "test_workflow_outputs": 191,
+    "test_killed_snakemake_resumes": 166,
+    "test_fsdp_matches_ddp_and_resumes_after_a_kill": 89,
+    "test_train_survives_kills": 76,
+    "test_killed_run_resumes_on_the_same_curve": 75,
+    "test_regenerate_survives_kills": 50,
+    "test_extract_survives_kills": 46,
+    "test_gguf_cache_matches_a_direct_gguf_load": 42,
+    "test_extract_on_a_full_disk": 39,
+    "test_killed_job_leaves_no_shard_and_rerun_matches": 31,
 }
 PAIRED = {  # (runs just before, runs just after): tests that would otherwise wait on a lock
     # the two SLURM tests share one cluster, one at a time
