@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from contextlib import contextmanager
 from pathlib import Path
 
 import pyarrow as pa
@@ -122,17 +123,25 @@ def smollm2_cache(smollm2_dir, tmp_path_factory) -> Path:
     need SmolLM2's tokenizer or weights and for the default workflow's jobs."""
 
     def build(out: Path) -> None:
-        import dflashpipe.storage as storage
         from dflashpipe.config import TargetConfig
         from dflashpipe.target import gguf_cache
 
-        before, storage.CACHE_DIR = storage.CACHE_DIR, out
-        try:
+        with cache_dir(out):
             assert gguf_cache(TargetConfig(model=str(smollm2_dir), gguf_file=SMOLLM2_GGUF))
-        finally:
-            storage.CACHE_DIR = before
 
     return shared_dir(tmp_path_factory, "smollm2-cache", build)
+
+
+@contextmanager
+def cache_dir(path: Path):
+    """dflashpipe's $DFLASHPIPE_CACHE is `path` inside the block (storage.CACHE_DIR)."""
+    import dflashpipe.storage as storage
+
+    before, storage.CACHE_DIR = storage.CACHE_DIR, path
+    try:
+        yield
+    finally:
+        storage.CACHE_DIR = before
 
 
 @pytest.fixture(scope="session")

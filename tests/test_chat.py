@@ -7,7 +7,7 @@ import copy
 from pathlib import Path
 
 import pytest
-from conftest import SMOLLM2_GGUF
+from conftest import SMOLLM2_GGUF, cache_dir
 from tokenizers import Regex, pre_tokenizers, processors
 
 from dflashpipe.chat import encode_chat, encode_prompt, end_of_turn_ids
@@ -51,15 +51,11 @@ def assistant(text: str) -> dict:
 def smollm2(smollm2_dir: Path, smollm2_cache: Path):
     """SmolLM2's tokenizer as dflashpipe loads it: from the GGUF's conversion (smollm2_cache),
     named after the GGUF file."""
-    import dflashpipe.storage as storage
     from dflashpipe.config import TargetConfig
     from dflashpipe.target import load_tokenizer
 
-    before, storage.CACHE_DIR = storage.CACHE_DIR, smollm2_cache
-    try:
+    with cache_dir(smollm2_cache):
         return load_tokenizer(TargetConfig(model=str(smollm2_dir), gguf_file=SMOLLM2_GGUF))
-    finally:
-        storage.CACHE_DIR = before
 
 
 def with_template(tok, template: str):
