@@ -10,9 +10,11 @@ never emit EOS, so every row generates exactly `--new-tokens` tokens.
 
     python benchmarks/regenerate.py --batch-sizes 512 1024 --caches static --width 512 \
         --lengths-file benchmarks/smollm2-sharegpt-prompt-lengths.json \
-        --attns sdpa sdpa-gqa flex_attention   # attention kernels at the recipe's shapes
+        --attns sdpa hf_sdpa flex_attention   # attention kernels at the recipe's shapes
     python benchmarks/regenerate.py --profile 1024 --caches static --width 512 --new-tokens 64 \
         --lengths-file benchmarks/smollm2-sharegpt-prompt-lengths.json   # where a step's time goes
+    python benchmarks/regenerate.py --same-answers 64 --attns sdpa hf_sdpa --width 512 \
+        --new-tokens 48 --lengths-file benchmarks/smollm2-sharegpt-prompt-lengths.json
 
 benchmarks/smollm2-sharegpt-prompt-lengths.json: the token counts (chat template applied) of the
 22,880 prompts of configs/smollm2-sharegpt.yaml's train table that regenerate answers (<= 512
@@ -20,34 +22,35 @@ tokens; mean 176), from the table rebuilt on 2026-12-04.
 
 Prints one table: generated tokens/s per batch size and per method, and the ratio to plain
 `generate()` at batch 1 measured in the same run. `--attns`: the target's attention
-implementation per row (the model rebuilt and compile caches reset for each); `sdpa-gqa` is SDPA
-with transformers' TRANSFORMERS_SDPA_FORCE_GQA=1: with a padding mask transformers otherwise
-repeats each KV head over its query heads (a copy per layer per step) on CUDA.
+implementation per row, as `target.attn_implementation` names it (the model rebuilt and compile
+caches reset for each): `sdpa` is the stage's (dflashpipe.attention: the query heads of a KV head
+folded into the query length), `hf_sdpa` transformers' own, which under a padding mask on CUDA
+copies each KV head over its query heads (a copy of the cache per layer per step).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 from pathlib import Path
 
 import torch
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 
+from dflashpipe import attention
 from dflashpipe.regenerate import generate_batch
 
 HERE = Path(__file__).resolve().parent
 
 
 def build_model(device: torch.device, attn: str = "sdpa") -> LlamaForCausalLM:
-    """The SmolLM2 shape with `attn` ("sdpa-gqa": SDPA with GQA forced, see the docstring)."""
-    os.environ["TRANSFORMERS_SDPA_FORCE_GQA"] = "1" if attn == "sdpa-gqa" else "0"
+    """The SmolLM2 shape with `attn` as the config's target.attn_implementation names it ("sdpa":
+    the stage's folded SDPA, "hf_sdpa": transformers' own; see the docstring)."""
     torch._dynamo.reset()  # compiled decode steps of the previous model/attention go
     config = LlamaConfig(
         **json.loads((HERE / "smollm2-135m.json").read_text()),
-        attn_implementation=attn.removesuffix("-gqa"),
+        attn_implementation=attention.implementation(attn),
     )
     torch.manual_seed(0)
     with torch.device(device):
@@ -127,6 +130,26 @@ def profile(model, ps, batch: int, new_tokens: int, cache: str, width: int, name
         print(events.table(sort_by=key, row_limit=15, max_name_column_width=60), flush=True)
 
 
+def same_answers(device, ps, attns: list[str], new_tokens: int, width: int) -> None:
+    """Whether the attention implementations give the same greedy answers: float32, one static-
+    cache batch of these prompts through the stage's path (compiled decoding); prints how many
+    rows of each match the first's."""
+    cfg = GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                           pad_token_id=0, eos_token_id=[1], cache_implementation="static")  # fmt: skip
+    rows = sorted(ps, key=len, reverse=True)
+    answers = {}
+    for attn in attns:
+        model = build_model(device, attn).float()
+        answers[attn] = generate_batch(model, rows, cfg, {1}, len(rows), width)
+        del model
+        torch.cuda.empty_cache()
+    first = answers[attns[0]]
+    for attn in attns[1:]:
+        same = sum(a == b for a, b in zip(first, answers[attn], strict=True))
+        print(f"same answers: {attn} matches {attns[0]} on {same} of {len(first)} rows "
+              f"(float32, {new_tokens} greedy tokens)", flush=True)  # fmt: skip
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32, 128, 256])
@@ -137,14 +160,19 @@ def main() -> None:
     ap.add_argument("--lengths-file", default=None, help="JSON list of prompt lengths to draw from")
     ap.add_argument("--width", type=int, default=0, help="pad every batch to at least this width")
     ap.add_argument("--attns", nargs="+", default=["sdpa"],
-                    help="attention implementations: sdpa, sdpa-gqa, flex_attention, eager")  # fmt: skip
+                    help="attention implementations: sdpa, hf_sdpa, flex_attention, eager")  # fmt: skip
     ap.add_argument("--profile", type=int, default=0, metavar="BATCH",
                     help="instead: profile one batch of BATCH rows per --attns/--caches through "
                          "the stage's path (after a warm-up) and print its top ops")  # fmt: skip
+    ap.add_argument("--same-answers", type=int, default=0, metavar="ROWS",
+                    help="instead: compare the --attns' float32 greedy answers on ROWS prompts")  # fmt: skip
     args = ap.parse_args()
     device = torch.device("cuda")
     model = build_model(device)
     ps = prompts(args.prompts, model.config.vocab_size, lengths_file=args.lengths_file)
+    if args.same_answers:
+        same_answers(device, ps[: args.same_answers], args.attns, args.new_tokens, args.width)
+        return
     if args.profile:
         for attn in args.attns:
             for cache in args.caches:

@@ -2,6 +2,7 @@ import pytest
 import torch
 from conftest import SMOLLM2_GGUF
 
+from dflashpipe import attention
 from dflashpipe.config import TargetConfig
 from dflashpipe.errors import DataError
 from dflashpipe.target import load_target, load_tokenizer, target_identity, torch_dtype
@@ -12,7 +13,7 @@ def test_local_hf_directory(tiny_target_dir):
     model, tok = load_target(cfg, torch.device("cpu"))
     assert model.dtype == torch.float32 and not model.training
     assert not any(p.requires_grad for p in model.parameters())
-    assert model.config._attn_implementation == "sdpa"
+    assert model.config._attn_implementation == attention.FOLDED  # target.attn_implementation: sdpa
     assert tok.eos_token == "<|im_end|>"
 
 

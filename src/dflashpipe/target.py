@@ -19,7 +19,7 @@ from pathlib import Path
 import safetensors.torch
 import torch
 
-from dflashpipe import storage
+from dflashpipe import attention, storage
 from dflashpipe.config import TargetConfig
 from dflashpipe.errors import DataError
 
@@ -165,7 +165,7 @@ def load_target(cfg: TargetConfig, device: torch.device, base_only: bool = False
         model = (AutoModel if base_only else AutoModelForCausalLM).from_pretrained(
             name,
             dtype=torch_dtype(cfg, device),
-            attn_implementation=cfg.attn_implementation,
+            attn_implementation=attention.implementation(cfg.attn_implementation),
             **kwargs,
         )
     except (OSError, ValueError, ImportError) as e:
