@@ -256,12 +256,14 @@ def test_a_lever_cell_stacks_a_tau_only_evaluate_under_its_change():
     quality = _load_quality()
     assert [p.stem for p in quality.stack("rank8")] == ["tau-only", "rank8"]
     assert [p.stem for p in quality.stack("stdlib-extra")] == ["tau-only", "stdlib-extra"]
+    recipe = Config.from_dict(quality.merged_configs([str(quality.RECIPE)])).section("train")
     for cell in ("rank8", "stdlib-extra"):
         configs = [str(quality.RECIPE)] + [str(p) for p in quality.stack(cell)]
         cfg = Config.from_dict(quality.merged_configs(configs))
         train, ev = cfg.section("train"), cfg.section("evaluate")
         assert ev["lossless_check"] is False and ev["methods"] == ["target", "dflash", "ddtree"]
-        assert (train["num_anchors"], train["epochs"]) == (2048, 6)  # the recipe's, unchanged
+        assert (train["num_anchors"], train["epochs"]) == (recipe["num_anchors"], recipe["epochs"])
+        assert train["rank_weight"] == (0.2 if cell == "rank8" else recipe["rank_weight"])
     assert train["extra_features"] == ["../quality-stdlib-answers/results/features/manifest.json"]
     assert quality.stack("main") == []
 
