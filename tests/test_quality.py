@@ -48,26 +48,27 @@ def test_quality_driver_main_and_variants(tmp_path, smollm2_dir, tiny_target_dir
         {"target": {"model": str(tiny_target_dir), "gguf_file": None}, **TINY},
     )
     runs = tmp_path / "runs"
-    cmd = [sys.executable, str(REPO / "benchmarks" / "quality.py"), "main", "bf16",
-           "stdlib-answers", "stdlib-extra", "--runs", str(runs), "--configfile", str(tiny),
+    cmd = [sys.executable, str(REPO / "benchmarks" / "quality.py"), "main", "stdlib-answers",
+           "stdlib-extra", "--runs", str(runs), "--configfile", str(tiny),
            "--cores", str(worker_cores()), "--out", str(tmp_path / "rows.json"),
            "--bundle", str(tmp_path / "logs.tar.gz")]  # fmt: skip
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=1500)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    main, bf16 = runs / "quality-main" / "results", runs / "quality-bf16" / "results"
-    # the variant shares the main run's answers (hard links) and did not regenerate them
+    main, cell = runs / "quality-main" / "results", runs / "quality-stdlib-extra" / "results"
+    # the variant shares the main run's answers and features (hard links) and made neither
     seq = "sequences/shard-00000.parquet"
-    assert (main / seq).stat().st_ino == (bf16 / seq).stat().st_ino
-    assert not (bf16 / "logs" / "regenerate" / "shard-00000.log").exists()
+    assert (main / seq).stat().st_ino == (cell / seq).stat().st_ino
+    shard = "features/shard-00000.arrow"
+    assert (main / shard).stat().st_ino == (cell / shard).stat().st_ino
+    assert not (cell / "logs" / "regenerate").exists() and not (cell / "logs" / "extract").exists()
     assert (main / "logs" / "regenerate" / "shard-00000.log").exists()
-    codecs = {
-        json.loads((r / "features" / "manifest.json").read_text())["codec"] for r in (main, bf16)
-    }
-    assert codecs == {"bf16-zstd", "fp8-zstd"}
+    manifest = json.loads((main / "features" / "manifest.json").read_text())
+    assert manifest["codec"] == "fp8-zstd"  # the recipe's, under the tiny overrides
     rows = {r["variant"]: r for r in json.loads((tmp_path / "rows.json").read_text())}
-    # dataset-answers and mixed are the same mechanisms (regenerate off; reuse + wait +
-    # train.extra_features) as tested elsewhere and by code below: left out for the suite's time.
-    assert set(rows) == {"main", "bf16", "stdlib-extra"}
+    # dataset-features, mixed and the codec cell bf16 are the same mechanisms (regenerate off;
+    # reuse + wait + train.extra_features; an overlay's section) as this run's: left out for the
+    # suite's time.
+    assert set(rows) == {"main", "stdlib-extra"}
     # the recipe's code prompts: the retrieved wheels' functions, beside ShareGPT's
     sources = json.loads((main / "prompts" / "stats.json").read_text())["sources"]
     assert {n for n, s in sources.items() if s["kind"] == "python" and s["added"] > 0} == {
@@ -95,18 +96,15 @@ def test_quality_driver_main_and_variants(tmp_path, smollm2_dir, tiny_target_dir
     r = rows["main"]
     assert r["lossless"] == 1.0 and set(r["lookup_tau"]) == {"sharegpt", "humaneval"}
     assert r["ahead"] and all(sum(c.values()) > 0 for c in r["ahead"].values())
-    # lever cells (`# also: tau-only`): no float32 pass, no prompt lookup, their rows still made
-    for cell in ("bf16", "stdlib-extra"):
-        assert rows[cell]["lossless"] is None and rows[cell]["lookup_tau"] == {}
-    assert "| stdlib-extra |" in done.stdout
-    assert rows["main"]["bytes_per_token"] < rows["bf16"]["bytes_per_token"]  # main is fp8
-    assert "| bf16 |" in done.stdout and "| main |" in done.stdout
+    # a lever cell (`# also: tau-only`): no float32 pass, no prompt lookup, its row still made
+    assert rows["stdlib-extra"]["lossless"] is None and rows["stdlib-extra"]["lookup_tau"] == {}
+    assert "| stdlib-extra |" in done.stdout and "| main |" in done.stdout
     assert "| ahead of lookup humaneval | ahead of lookup sharegpt |" in done.stdout
     assert "| ddtree nodes | ddtree tau | ddtree speedup |" in done.stdout
     assert "extract/shard-00000" in done.stdout  # per-job times from the benchmark files
     with tarfile.open(tmp_path / "logs.tar.gz") as tar:  # the small files, no shards or weights
         names = set(tar.getnames())
-    for run in ("quality-main", "quality-bf16"):
+    for run in ("quality-main", "quality-stdlib-extra"):
         assert {f"{run}/eval/metrics.json", f"{run}/train/metrics.jsonl", f"{run}/report.md",
                 f"{run}/logs/evaluate.log", f"{run}/quality.log"} <= names  # fmt: skip
     assert not [n for n in names if n.endswith((".arrow", ".parquet", ".safetensors", ".pt"))]
