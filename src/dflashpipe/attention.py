@@ -9,7 +9,7 @@ on the H200 at the recipe's shapes (batch 1,024, 576 cache slots, SmolLM2: 9 que
 3 KV heads) those copies took a third of the step's GPU time and the attention kernel then read
 three times the bytes (benchmarks/RESULTS.md, "Regenerate").
 
-`sdpa_folded` computes the same attention as (1, Hkv, g*Q, D) queries over the (1, Hkv, L, D)
+`sdpa_folded` computes the same attention as (B, Hkv, g*Q, D) queries over the (B, Hkv, L, D)
 cache: query head h = kv*g + r, as `repeat_kv` orders them, so each query row meets the K/V
 rows it would have met, under the same mask row (repeated g times along the query length,
 which costs g*Q*L mask bytes per batch row against the 2*Hq*L*D*itemsize bytes of the copies).
