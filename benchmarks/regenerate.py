@@ -92,11 +92,17 @@ def bench_plain(model, ps, new_tokens: int) -> float:
     return len(ps) * new_tokens / timed(go)
 
 
+def stage_config(new_tokens: int, cache: str) -> GenerationConfig:
+    """The stage path's greedy decoding of exactly `new_tokens` tokens (random weights: token 1
+    stands in for the end of a turn, token 0 pads) with a `cache` KV cache."""
+    return GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                            pad_token_id=0, eos_token_id=[1], cache_implementation=cache)  # fmt: skip
+
+
 def bench_stage(model, ps, batch: int, new_tokens: int, cache: str, width: int = 0) -> float:
     """The stage's path: left-padded, length-sorted batches through generate_batch (width: every
     batch padded to at least this, as the stage pads a static-cache shard to its widest prompt)."""
-    cfg = GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                           pad_token_id=0, eos_token_id=[1], cache_implementation=cache)  # fmt: skip
+    cfg = stage_config(new_tokens, cache)
     ps = sorted(ps, key=len, reverse=True)
 
     def go():
@@ -114,8 +120,7 @@ def profile(model, ps, batch: int, new_tokens: int, cache: str, width: int, name
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    cfg = GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                           pad_token_id=0, eos_token_id=[1], cache_implementation=cache)  # fmt: skip
+    cfg = stage_config(new_tokens, cache)
     rows = sorted(ps, key=len, reverse=True)[:batch]
     generate_batch(model, rows, cfg, {1}, batch, width)  # warm-up (allocator, compile)
     acts = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
@@ -134,8 +139,7 @@ def same_answers(device, ps, attns: list[str], new_tokens: int, width: int) -> N
     """Whether the attention implementations give the same greedy answers: float32, one static-
     cache batch of these prompts through the stage's path (compiled decoding); prints how many
     rows of each match the first's."""
-    cfg = GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                           pad_token_id=0, eos_token_id=[1], cache_implementation="static")  # fmt: skip
+    cfg = stage_config(new_tokens, "static")
     rows = sorted(ps, key=len, reverse=True)
     answers = {}
     for attn in attns:

@@ -55,6 +55,7 @@ def sdpa_folded(
 
     B, Hq, Q, D = query.shape
     Hkv = key.shape[1]
+    g = Hq // Hkv
     plain = (
         attention_mask is None
         or attention_mask.dim() != 4
@@ -63,13 +64,12 @@ def sdpa_folded(
         or kwargs.get("position_bias") is not None
         or kwargs.get("softcap") is not None
         or Hq % Hkv != 0
-        or not folds(Hq // Hkv, Hq, Q, D, query.element_size())
+        or not folds(g, Hq, Q, D, query.element_size())
     )
     if plain:
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
-    g = Hq // Hkv
     mask = attention_mask.expand(-1, -1, Q, -1).repeat(1, 1, g, 1)  # row r*Q + i = row i
     y = F.scaled_dot_product_attention(
         query.reshape(B, Hkv, g * Q, D), key, value, attn_mask=mask, scale=scaling
