@@ -9,9 +9,9 @@ Runs on a GPU machine without network once `resources/` holds the retrieved file
 reachable). Variant `v` works in `runs/quality-<v>/` with `resources/` linked in; the recipe plus
 the overlay `benchmarks/quality/<v>.yaml` is its config, after the overlays its `# also:` line
 names (e.g. `# also: tau-only`: an evaluate that measures tau only). An overlay's
-`# reuse:` line names the result folders of the main run it shares (hard links, so an unchanged
-stage is not redone); its `# target:` line, the Snakemake target it stops at unless `--target`
-says otherwise.
+`# reuse:` line names the result folders it shares with the main run, or with the run its
+`# from:` line names (hard links, so an unchanged stage is not redone); its `# target:` line,
+the Snakemake target it stops at unless `--target` says otherwise.
 A run cut short by `--time-limit` (or killed) continues on the next call: Snakemake keeps the
 finished stages and training resumes from its checkpoints.
 
@@ -81,8 +81,14 @@ def stack(variant: str) -> list[Path]:
 
 
 def reused(path: Path | None) -> list[str]:
-    """Result folders a variant shares with the main run (its overlay's `# reuse:` line)."""
+    """Result folders a variant shares with the run it comes from (its overlay's `# reuse:`
+    line)."""
     return header(path, "reuse")
+
+
+def origin(path: Path | None) -> str:
+    """The run whose result folders `# reuse:` shares: the overlay's `# from:` line, else main."""
+    return (header(path, "from") or ["main"])[0]
 
 
 def check_order(runs: Path, variants: list[str]) -> None:
@@ -91,6 +97,11 @@ def check_order(runs: Path, variants: list[str]) -> None:
     listed before it."""
     earlier: set[str] = set()
     for v in variants:
+        src = origin(overlay(v))
+        made = (runs / f"quality-{src}" / "results").is_dir()
+        if src != "main" and src not in earlier and not made:
+            sys.exit(f"variant {v} reuses {src}'s results, which do not exist: list {src} "
+                     f"before it (e.g. quality.py {src} {v})")  # fmt: skip
         for rel in header(overlay(v), "wait"):
             path = Path(os.path.normpath(runs / f"quality-{v}" / rel))
             if path.exists():
@@ -123,11 +134,12 @@ def prepare(runs: Path, variant: str, extra_configs: list[str]) -> tuple[Path, l
         # it again), while runs started by an earlier call go on reading through theirs
         link.symlink_to((REPO / "resources").resolve())
     extra = overlay(variant)
-    main = runs / "quality-main" / "results"
+    came_from = origin(extra)
     for name in reused(extra):
-        src, dst = main / name, work / "results" / name
+        src, dst = runs / f"quality-{came_from}" / "results" / name, work / "results" / name
         if not src.is_dir():
-            sys.exit(f"variant {variant} reuses {src}, which does not exist: run `main` first")
+            sys.exit(f"variant {variant} reuses {src}, which does not exist: run `{came_from}` "
+                     "first")  # fmt: skip
         if not dst.exists():
             shutil.copytree(src, dst, copy_function=os.link)  # hard links keep the mtimes
     configs = [RECIPE, *stack(variant), *map(Path, extra_configs)]
@@ -299,8 +311,10 @@ def row(work: Path) -> dict | None:
         ((_read(work / path) or {}).get("totals") or {}).get("tokens")
         for path in train_cfg.get("extra_features", [])
     ]  # fmt: skip
-    fraction = train_cfg.get("sample_fraction", 1)  # a seeded share of the samples: its tokens
-    # are that share of the total, to within a percent at the recipe's ~30k samples
+    # train counts the tokens it trains on an epoch; before it did (earlier runs), a seeded share
+    # of the samples (train.sample_fraction) took that share of the total, to within a percent
+    fraction = train_cfg.get("sample_fraction", 1)
+    counted = last.get("train_tokens")
     trees = ev.get("ddtree") or {}  # per node budget; the row shows the fastest
     fastest = max(trees, key=lambda n: trees[n]["speedup"] or 0, default=None)
     tree = trees.get(fastest, {})
@@ -323,7 +337,7 @@ def row(work: Path) -> dict | None:
         "steps": last.get("step"),
         "codec": manifest.get("codec"),
         # tokens of the feature sets trained on (own + train.extra_features): the data's size
-        "train_tokens": round(fraction * sum(trained)) if None not in trained else None,
+        "train_tokens": counted or (None if None in trained else round(fraction * sum(trained))),
         "bytes_per_token": totals["bytes"] / totals["tokens"] if totals.get("tokens") else None,
         "num_prompts": ev.get("num_prompts"),
     }

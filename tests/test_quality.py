@@ -82,9 +82,12 @@ def test_quality_driver_main_and_variants(tmp_path, smollm2_dir, tiny_target_dir
     extra = extra_samples(runs / "quality-stdlib-extra")
     std_samples = json.loads((std / "features" / "manifest.json").read_text())["totals"]
     assert extra == std_samples["samples"] > 0
+    # the data's size: the tokens train counted (its own less the held-out answers', plus all of
+    # the extra features')
     own = json.loads((main / "features" / "manifest.json").read_text())["totals"]["tokens"]
-    assert rows["stdlib-extra"]["train_tokens"] == own + std_samples["tokens"]  # its data's size
-    assert rows["main"]["train_tokens"] == own
+    trained = json.loads((main / "train" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert rows["main"]["train_tokens"] == trained["train_tokens"] < own
+    assert rows["stdlib-extra"]["train_tokens"] == trained["train_tokens"] + std_samples["tokens"]
     report = (runs / "quality-stdlib-extra" / "results" / "report.md").read_text()
     assert (
         "- train.extra_features ../quality-stdlib-answers/results/features/manifest.json: "
@@ -285,3 +288,41 @@ def test_a_run_links_the_resources_the_repo_link_points_to(tmp_path, monkeypatch
     (repo / "resources").unlink()
     assert (work / "resources" / "smollm2").is_dir()
     assert (work / "results" / "sequences").is_dir()  # main's reused folders came along
+
+
+def test_a_variant_reuses_the_results_of_the_run_its_from_line_names(tmp_path):
+    """quarter-x2 and quarter-x1 (`# from: quarter-x4`) train on quarter-x4's prompts, answers
+    and features under its config: listed before it (or without it) they stop at once; their
+    folders are hard links to quarter-x4's, not main's; their config is quarter-x4's plus
+    train.answers_per_prompt."""
+    from dflashpipe.config import Config
+
+    quality = _load_quality()
+    runs = tmp_path / "runs"
+    for variants in (["main", "quarter-x2", "quarter-x4"], ["quarter-x1"]):
+        with pytest.raises(
+            SystemExit, match=r"reuses quarter-x4's results.*list quarter-x4 before"
+        ):
+            quality.check_order(runs, variants)
+    quality.check_order(runs, ["main", "quarter-x4", "quarter-x2", "quarter-x1"])
+    for run in ("main", "quarter-x4"):
+        for name in ("prompts", "sequences", "features"):
+            (runs / f"quality-{run}" / "results" / name).mkdir(parents=True)
+            (runs / f"quality-{run}" / "results" / name / "made-by").write_text(run)
+    quality.check_order(runs, ["quarter-x1"])  # the run it reads exists already
+    work, configs = quality.prepare(runs, "quarter-x1", [])
+    made = work / "results" / "features" / "made-by"
+    own = runs / "quality-quarter-x4" / "results" / "features" / "made-by"
+    assert made.read_text() == "quarter-x4" and made.stat().st_ino == own.stat().st_ino
+    assert [p.stem for p in quality.stack("quarter-x2")] == ["tau-only", "quarter-x4", "quarter-x2"]
+    cfg = Config.from_dict(quality.merged_configs(configs))
+    assert cfg.train.answers_per_prompt == 1 and cfg.regenerate.samples_per_prompt == 4
+    x4 = [str(quality.RECIPE)] + [str(p) for p in quality.stack("quarter-x4")]
+    for section in ("prompts", "regenerate", "extract"):  # what made the reused folders
+        assert cfg.digest(section) == Config.from_dict(quality.merged_configs(x4)).digest(section)
+    recipe = Config.from_dict(quality.merged_configs([str(quality.RECIPE)]))
+    limits = {s.name: s.limit for s in cfg.prompts.sources}
+    assert limits["sharegpt"] == 6057 and limits["humaneval"] is None
+    # the sources are the recipe's but for their limits, so the eval prompts are the recipe's
+    strip = [{**s.__dict__, "limit": None} for s in cfg.prompts.sources]
+    assert strip == [s.__dict__ for s in recipe.prompts.sources]

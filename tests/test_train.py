@@ -466,3 +466,55 @@ def test_the_first_step_says_where_its_time_went(tmp_path, tiny_features, caplog
     x = torch.randn(8, requires_grad=True)
     torch.compile(lambda t: torch.sin(t) * 2 + t, dynamic=False)(x).sum().backward()
     assert compile_seconds() > before
+
+
+def test_answers_per_prompt_trains_on_each_prompts_first_answers(tmp_path, tiny_features):
+    """Features of two answers per prompt (the fixture's as answer 0, each again as answer 1 in
+    two more shards): train.answers_per_prompt 1 trains on answer 0 of every training prompt, 2
+    on both, with the same held-out samples and the tokens trained on counted (the metrics rows
+    carry them: test_quality); 3 is refused, naming the manifest."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from dflashpipe.extract import run as extract
+    from dflashpipe.shards import build_manifest
+    from dflashpipe.storage import write_json
+
+    raw = json.loads(json.dumps(tiny_features["raw"]))
+    cfg = Config.from_dict(raw)
+    shards = list(tiny_features["shards"])
+    for i in range(2):
+        seq = pq.read_table(tiny_features["dir"] / f"seq-{i}.parquet")
+        ids = [s.rpartition("-")[0] + "-1" for s in seq.column("sample_id").to_pylist()]
+        seq = seq.set_column(seq.schema.get_field_index("sample_id"), "sample_id", pa.array(ids))
+        pq.write_table(seq, tmp_path / f"seq-{i}.parquet")
+        shards.append(tmp_path / f"shard-{i + 2:05d}.arrow")
+        extract(cfg, str(tmp_path / f"seq-{i}.parquet"), i + 2, str(shards[-1]))
+    manifest = tmp_path / "manifest.json"
+    write_json(manifest, build_manifest(shards))
+    raw["train"].update(val_samples=4)
+    trainers = {}
+    for n in (None, 1, 2):
+        raw["train"].update(answers_per_prompt=n)
+        trainers[n] = Trainer(Config.from_dict(raw), manifest, tmp_path / f"t{n}",
+                              torch.device("cpu"))  # fmt: skip
+    every, one, two = trainers[None], trainers[1], trainers[2]
+    assert len(every.samples) == 2 * 20 and {s.answer for s in every.samples} == {0, 1}
+    assert [s.answer for s in one.samples] == [0] * 20
+    assert sorted(s.prompt for s in one.samples) == sorted({s.prompt for s in every.samples})
+    assert two.samples == every.samples
+    assert one.val_samples == two.val_samples == every.val_samples
+    assert one.train_tokens == sum(s.length for s in one.samples) < two.train_tokens
+    assert (
+        one.fingerprint["answers_per_prompt"] == 1 and "answers_per_prompt" not in every.fingerprint
+    )
+    raw["train"].update(answers_per_prompt=3)
+    with pytest.raises(
+        DataError,
+        match=r"answers_per_prompt is 3, but the features of .*"
+        r"manifest\.json hold at most 2 answers per prompt",
+    ):
+        Trainer(Config.from_dict(raw), manifest, tmp_path / "t3", torch.device("cpu"))
+    raw["train"].update(answers_per_prompt=0)
+    with pytest.raises(ConfigError, match="answers_per_prompt"):
+        Config.from_dict(raw)

@@ -1,8 +1,9 @@
 #!/bin/bash
 # setsid bash benchmarks/remote/bg.sh VARIANT[:TARGET]...: the quality runs in the background (they
 # outlive the call that starts them), main first; a variant starts once the deepest stage of main
-# that its overlay's `# reuse:` line shares has finished (none: at once), and the files of other
-# runs its `# wait:` line names (relative to its work directory) exist. /tmp/q/ALLDONE marks
+# (or of the run its overlay's `# from:` line names) that its `# reuse:` line shares has finished
+# (none: at once), and the files of other runs its `# wait:` line names (relative to its work
+# directory) exist. /tmp/q/ALLDONE marks
 # the end. QUALITY_EXTRA=FILE adds one more config file on top of every run's (e.g. other sizes);
 # MAIN_TARGET=extract stops main at its features (when only a variant's drafter is wanted).
 # Answers kept from an earlier machine (mon.sh KEEP=..., carried as .remote/k*/ and gathered by
@@ -18,13 +19,14 @@
 # at once (H200, 2026-12-04: 221 s of compiling for the first cell, 5-6 s for those after it).
 cd "$(dirname "$0")/../.." && . benchmarks/remote/setup.sh >/dev/null
 mkdir -p /tmp/q
-M=/tmp/runs/quality-main/results
 EXTRA="${QUALITY_EXTRA:+--configfile $QUALITY_EXTRA} --restore /tmp/xfer"
 python3 benchmarks/quality.py main --runs /tmp/runs --target ${MAIN_TARGET:-all} $EXTRA > /tmp/q/main.out 2>&1 &
 for spec in "$@"; do   # VARIANT or VARIANT:TARGET (e.g. block16:train: no evaluate)
   v=${spec%%:*}; target=all; [[ $spec == *:* ]] && target=${spec#*:}
   reuse=" $(sed -n 's/^# reuse://p' benchmarks/quality/$v.yaml) "
-  case $reuse in   # wait for the deepest stage of main the variant shares
+  from=$(sed -n 's/^# from: *//p' benchmarks/quality/$v.yaml)
+  M=/tmp/runs/quality-${from:-main}/results
+  case $reuse in   # wait for the deepest stage of that run the variant shares
     *" features "*) need=$M/features/manifest.json ;;
     *" sequences "*) need=$M/sequences/shard-00000.parquet ;;
     *" prompts "*) need=$M/prompts/train.parquet ;;

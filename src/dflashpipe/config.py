@@ -288,6 +288,7 @@ class TrainConfig:
     rank_weight: float  # share of the ranking term (label among the rank_k most likely); 0: none
     rank_k: int
     sample_fraction: float  # a seeded share of the training samples (data-scaling runs); 1: all
+    answers_per_prompt: int | None  # answers 0..n-1 of each prompt only (data scaling); None: all
 
     def __post_init__(self) -> None:
         if not 0 <= self.distill_weight <= 1:

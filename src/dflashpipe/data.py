@@ -114,6 +114,12 @@ def subset(samples: list[Sample], fraction: float, seed: int) -> list[Sample]:
     return [samples[i] for i in chosen]
 
 
+def first_answers(samples: list[Sample], n: int | None) -> list[Sample]:
+    """The samples that are answer 0..n-1 of their prompt, in their order (train.answers_per_prompt,
+    for a data-scaling curve over one feature set of several answers per prompt); None: all."""
+    return samples if n is None else [s for s in samples if s.answer < n]
+
+
 def epoch_plan(
     samples: list[Sample], tokens: int, seed: int, epoch: int, rank: int, world: int
 ) -> list[list[int]]:

@@ -117,6 +117,7 @@ class MetricsLog:
                "slot_accuracy": [round(a, 4) for a in acc], "expected_acceptance": expected_acceptance(acc),
                "lr": self.t.scheduler.get_last_lr()[0],
                "tokens_per_s": self.n * self.t.tokens * self.t.world / elapsed,
+               "train_samples": len(self.t.samples), "train_tokens": self.t.train_tokens,
                **(validation or {})}  # fmt: skip
         peak = _peak_flops(self.t.device)
         if peak:

@@ -36,6 +36,7 @@ from dflashpipe.data import (
     PackedBatches,
     Sample,
     epoch_plan,
+    first_answers,
     index_samples,
     make_loader,
     split_validation,
@@ -226,15 +227,32 @@ class Trainer:
         if len(self.shards) > len(own):
             # trained on, never held out: the held-out figures stay the own
             added = index_samples(self.shards[len(own) :], self.tokens, self.stats, self.topk)
-            self.samples += [Sample(s.shard + len(own), s.row, s.length) for s in added]
+            self.samples += [
+                Sample(s.shard + len(own), s.row, s.length, answer=s.answer) for s in added
+            ]
+        if self.tc.answers_per_prompt is not None:
+            held = 1 + max(s.answer for s in own_samples + added)
+            if self.tc.answers_per_prompt > held:
+                raise DataError(
+                    f"train.answers_per_prompt is {self.tc.answers_per_prompt}, but the features "
+                    f"of {manifest_path}{' and train.extra_features' if added else ''} hold at "
+                    f"most {held} answers "
+                    "per prompt (regenerate.samples_per_prompt); the curve's point would be the "
+                    f"same as {held}'s"
+                )
+            self.samples = first_answers(self.samples, self.tc.answers_per_prompt)
         available = len(self.samples)
         self.samples = subset(self.samples, self.tc.sample_fraction, self.tc.seed)
+        self.train_tokens = sum(s.length for s in self.samples)  # per epoch (metrics rows)
         if self.rank == 0:
             from_extra = sum(s.shard >= len(own) for s in self.samples)
             share = (f"; train.sample_fraction {self.tc.sample_fraction:g} of {available}"
                      if self.tc.sample_fraction < 1 else "")  # fmt: skip
-            log.info("training on %d samples (%d of them from train.extra_features), %d held out%s",
-                     len(self.samples), from_extra, len(self.val_samples), share)  # fmt: skip
+            if self.tc.answers_per_prompt is not None:
+                share += f"; train.answers_per_prompt {self.tc.answers_per_prompt}"
+            log.info("training on %d samples (%d of them from train.extra_features), %d tokens "
+                     "an epoch, %d held out%s", len(self.samples), from_extra, self.train_tokens,
+                     len(self.val_samples), share)  # fmt: skip
         if self.val_samples:
             try:
                 self._val_plan = epoch_plan(
@@ -311,6 +329,8 @@ class Trainer:
             self.fingerprint["distill_weight"] = self.tc.distill_weight
         if self.tc.sample_fraction < 1:  # other training data
             self.fingerprint["sample_fraction"] = self.tc.sample_fraction
+        if self.tc.answers_per_prompt is not None:  # other training data
+            self.fingerprint["answers_per_prompt"] = self.tc.answers_per_prompt
         if self.tc.rank_weight:  # another objective
             self.fingerprint["rank"] = [self.tc.rank_weight, self.tc.rank_k]
         if self.fsdp:  # its checkpoints key the optimizer state by name, DDP's by position
