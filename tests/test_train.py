@@ -518,3 +518,42 @@ def test_answers_per_prompt_trains_on_each_prompts_first_answers(tmp_path, tiny_
     raw["train"].update(answers_per_prompt=0)
     with pytest.raises(ConfigError, match="answers_per_prompt"):
         Config.from_dict(raw)
+
+
+def test_dropout_and_weight_decay_regularize_training_only(tmp_path, tiny_features):
+    """train.dropout 0.5: two training forwards of one pack differ, the held-out measurement
+    (eval mode) repeats exactly and leaves the model training; train.weight_decay 0.1: a step
+    with zero gradients shrinks the matrices by lr x decay and leaves the norms' gains alone;
+    both are other runs' checkpoints (fingerprint)."""
+    from dflashpipe.data import PackedBatches, epoch_plan
+    from dflashpipe.train import forward_loss
+
+    raw = json.loads(json.dumps(tiny_features["raw"]))
+    raw["train"].update(dropout=0.5, weight_decay=0.1, val_samples=4, lr=0.01, warmup_ratio=0)
+    t = Trainer(Config.from_dict(raw), tiny_features["manifest"], tmp_path / "t",
+                torch.device("cpu"))  # fmt: skip
+    assert (t.fingerprint["dropout"], t.fingerprint["weight_decay"]) == (0.5, 0.1)
+    plan = epoch_plan(t.samples, t.tokens, 0, 0, 0, 1)
+    batch = PackedBatches(t.shards, t.samples, plan, t.tokens, 16, 0, 0)[0]
+    with torch.no_grad():
+        a, b = (forward_loss(t.model, t.head, batch, 8, t.gamma)[0].item() for _ in range(2))
+    assert a != b  # dropout drew other units
+    first, second = t.validate(), t.validate()
+    assert first == second and t.model.training
+    t.model.eval()
+    with torch.no_grad():
+        a, b = (forward_loss(t.model, t.head, batch, 8, t.gamma)[0].item() for _ in range(2))
+    assert a == b
+    before = {n: p.detach().clone() for n, p in t.drafter.named_parameters() if p.requires_grad}
+    for p in t.drafter.parameters():
+        p.grad = torch.zeros_like(p) if p.requires_grad else None
+    t.optimizer.step()
+    lr = t.optimizer.param_groups[0]["lr"]
+    for name, p in t.drafter.named_parameters():
+        if name in before:
+            shrink = 1 - lr * 0.1 if p.ndim >= 2 else 1.0
+            torch.testing.assert_close(p.detach(), before[name] * shrink, msg=name)
+    assert any("norm" in n for n in before) and any(p.ndim < 2 for p in t.drafter.parameters())
+    raw["train"].update(dropout=1.0)
+    with pytest.raises(ConfigError, match="dropout"):
+        Config.from_dict(raw)

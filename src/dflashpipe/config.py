@@ -263,7 +263,8 @@ class TrainConfig:
     epochs: float
     lr: float
     warmup_ratio: float
-    weight_decay: float
+    weight_decay: float  # AdamW's, on matrices only
+    dropout: float  # residual dropout while training; 0: none
     betas: list[float]
     grad_clip: float
     max_length: int

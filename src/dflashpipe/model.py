@@ -276,13 +276,17 @@ class DecoderLayer(nn.Module):
         self.mlp = Qwen3MLP(mlp_config)
         self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.dropout = 0.0  # residual dropout while training (train.dropout); not exported
 
     def forward(
         self, x: Tensor, ctx: Tensor, rope: tuple[Tensor, Tensor], masks: dict[int | None, Mask]
     ) -> Tensor:
         # The context is not re-normalized per layer: it was normalized once by hidden_norm.
-        x = x + self.self_attn(self.input_layernorm(x), ctx, rope, masks)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self._drop(self.self_attn(self.input_layernorm(x), ctx, rope, masks))
+        return x + self._drop(self.mlp(self.post_attention_layernorm(x)))
+
+    def _drop(self, h: Tensor) -> Tensor:
+        return nn.functional.dropout(h, self.dropout, self.training) if self.dropout else h
 
 
 class Drafter(nn.Module):

@@ -302,6 +302,8 @@ class Trainer:
             log.info("drafter layers start from the target's decoder layers %s", used)
         drafter = drafter.to(self.device)
         del target
+        for layer in drafter.layers:  # training only: exported and evaluated drafters have none
+            layer.dropout = self.tc.dropout
         if self.device.type == "cuda" and self.tc.compile:
             for layer in drafter.layers:  # per layer: every layer kind compiles once
                 layer.compile()
@@ -331,6 +333,9 @@ class Trainer:
             self.fingerprint["sample_fraction"] = self.tc.sample_fraction
         if self.tc.answers_per_prompt is not None:  # other training data
             self.fingerprint["answers_per_prompt"] = self.tc.answers_per_prompt
+        for key in ("weight_decay", "dropout"):  # other training (and optimizer groups)
+            if getattr(self.tc, key):
+                self.fingerprint[key] = getattr(self.tc, key)
         if self.tc.rank_weight:  # another objective
             self.fingerprint["rank"] = [self.tc.rank_weight, self.tc.rank_k]
         if self.fsdp:  # its checkpoints key the optimizer state by name, DDP's by position
@@ -338,6 +343,9 @@ class Trainer:
 
     def _build_optimizer(self) -> None:
         params = [p for p in self.drafter.parameters() if p.requires_grad]
+        if self.tc.weight_decay:  # matrices only: decay would pull the norms' gains to 0
+            params = [{"params": [p for p in params if p.ndim >= 2]},
+                      {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]  # fmt: skip
         self.optimizer = torch.optim.AdamW(params, lr=self.tc.lr, weight_decay=self.tc.weight_decay,
                                            betas=tuple(self.tc.betas), fused=self.device.type == "cuda")  # fmt: skip
         warmup = max(1, round(self.tc.warmup_ratio * self.total_steps))
@@ -480,12 +488,14 @@ class Trainer:
                              self.tc.num_anchors, self.tc.seed, epoch=0, topk=self.topk,
                              quantized=self.quantized)  # fmt: skip
         vec = torch.zeros(2 * B - 1, device=self.device)  # loss sum, correct (B-1), labels (B-1)
+        self.model.train(not self.tc.dropout)  # measured as evaluated: without dropout
         for batch in make_loader(data, 0, workers=0, pin=False):
             b = to_device(batch, self.device)
             loss, m = forward_loss(self.model, self.head, b, B, self.gamma, self.tc.distill_weight,
                                    self.rank_term)  # fmt: skip
             vec += torch.cat([loss.detach()[None], m["slot_accuracy"] * m["slot_labels"],
                               m["slot_labels"]])  # fmt: skip
+        self.model.train()
         if self.world > 1:
             dist.all_reduce(vec)
         acc = (vec[1:B] / vec[B:].clamp_min(1)).tolist()
