@@ -119,6 +119,13 @@ def _held_out(rows: list[dict]) -> str:
             f"acceptance length {r['val_expected_acceptance']:.3f}")  # fmt: skip
 
 
+def _data(row: dict) -> str:
+    """' on N samples (T tokens an epoch)' from a metrics row (rows before train counted: '')."""
+    if "train_tokens" not in row:
+        return ""
+    return f" on {row['train_samples']:,} samples ({row['train_tokens']:,} tokens an epoch)"
+
+
 def _ahead(counts: dict | None) -> str:
     """'k of n' prompts where the drafter's tau is above prompt lookup's (metrics before the
     paired count existed: '-')."""
@@ -205,7 +212,7 @@ def summary(rows: list[dict], evaluation: dict, prompts: dict, manifest: dict, i
 - features: {_features(manifest)}, layers {manifest["layer_ids"]} of {manifest["target"]["name"]}{added}
 
 ## Training
-- {rows[-1]["step"]} optimizer steps; final loss {rows[-1]["loss"]:.4f}; expected acceptance length {rows[-1]["expected_acceptance"]:.3f}{_held_out(rows)}
+- {rows[-1]["step"]} optimizer steps{_data(rows[-1])}; final loss {rows[-1]["loss"]:.4f}; expected acceptance length {rows[-1]["expected_acceptance"]:.3f}{_held_out(rows)}
 
 ![loss]({img}/loss.png)
 ![acceptance]({img}/acceptance.png)

@@ -233,12 +233,12 @@ class Trainer:
         if self.tc.answers_per_prompt is not None:
             held = 1 + max(s.answer for s in own_samples + added)
             if self.tc.answers_per_prompt > held:
+                extra = " and train.extra_features" if added else ""
                 raise DataError(
                     f"train.answers_per_prompt is {self.tc.answers_per_prompt}, but the features "
-                    f"of {manifest_path}{' and train.extra_features' if added else ''} hold at "
-                    f"most {held} answers "
-                    "per prompt (regenerate.samples_per_prompt); the curve's point would be the "
-                    f"same as {held}'s"
+                    f"of {manifest_path}{extra} hold at most {held} answers per prompt "
+                    f"(regenerate.samples_per_prompt): the run would train on the same data as "
+                    f"answers_per_prompt {held}"
                 )
             self.samples = first_answers(self.samples, self.tc.answers_per_prompt)
         available = len(self.samples)
