@@ -7,6 +7,7 @@ import pytest
 from conftest import base_config, write_yaml
 
 from dflashpipe.config import Config, PromptsConfig, SourceConfig
+from dflashpipe.errors import DataError
 from dflashpipe.prompts import (
     BadConversation,
     _prompts_of,
@@ -285,3 +286,67 @@ def test_code_source_stats_name_the_files_read(data_dir, tmp_path):
     assert again["files"]["sha256"] != files["sha256"] and again["added"] == 2
     (code / "copy.py").write_text("def double(x):\n" + body.format(doc="2x.", expr="x + x"))
     assert build(Config.from_dict(raw).prompts)[2]["sources"]["code"]["added"] == 3
+
+
+def _long_conversations(path):
+    """ShareGPT-shaped conversations of growing length: their later turns' histories are over
+    200 characters; conversation 7's first question alone is, so that conversation has trimmed
+    turns only."""
+    convs = []
+    for c in range(30):
+        turns = []
+        for t in range(1 + c % 5):
+            turns += [{"from": "human", "value": f"conv {c} question {t} " + "why? " * (c % 7)},
+                      {"from": "gpt", "value": f"answer {t} of {c} " + "because. " * 6}]  # fmt: skip
+        if c == 7:
+            turns[0]["value"] = "x" * 250
+        convs.append({"id": f"c{c}", "conversations": turns})
+    path.write_text(json.dumps(convs))
+    return path
+
+
+def test_trim_history_keeps_the_tail_of_long_turns_for_training_only(tmp_path):
+    """trim_history: a turn over max_chars trains on the longest tail of whole messages from a
+    user message that fits; the eval prompts are exactly those without the option, no trimmed
+    turn of a held-out conversation trains, a message alone over max_chars is still dropped, and
+    unset the option stays out of the prompts section (its digest)."""
+    source = {"name": "s", "kind": "sharegpt", "path": str(_long_conversations(tmp_path / "c.json")),
+              "split": "both", "eval_count": 6}  # fmt: skip
+    raw = {"target": {"model": "m"}, "prompts": {"sources": [source], "max_chars": 200}}
+    plain = Config.from_dict(raw)
+    assert "trim_history" not in plain.raw["prompts"] and "exclude" not in plain.raw["prompts"]
+    train0, eval0, stats0 = build(plain.prompts)
+    raw["prompts"]["trim_history"] = True
+    train, evals, stats = build(Config.from_dict(raw).prompts)
+    assert evals == eval0 and [p.prompt_id for p in evals] == [p.prompt_id for p in eval0]
+    assert {p.prompt_id for p in train0} < {p.prompt_id for p in train}
+    trimmed = [p for p in train if p.history_cut]
+    assert len(trimmed) == stats["sources"]["s"]["trimmed"] > 0
+    assert len(train) == len(train0) + len(trimmed)
+    held = {p.conversation_id for p in evals}
+    assert not held & {p.conversation_id for p in train}
+    assert stats["sources"]["s"]["dropped"]["trimmed_held_out"] > 0
+    assert stats["sources"]["s"]["dropped"]["too_long"] == 1  # conversation 7's first question
+    assert "c7" in {p.conversation_id for p in trimmed} - {p.conversation_id for p in train0}
+    assert stats0["sources"]["s"]["dropped"]["too_long"] > 1
+    for p in trimmed:
+        assert p.messages[0]["role"] == "user" and p.messages[-1]["role"] == "user"
+        assert sum(len(m["content"]) for m in p.messages) <= 200
+        # the longest such tail: one more user-started stretch would be over
+        turns = json.loads((tmp_path / "c.json").read_text())[int(p.conversation_id[1:])]
+        history = [m["value"].strip() for m in turns["conversations"][: 2 * p.turn + 1]]
+        assert [m["content"] for m in p.messages] == history[p.history_cut :]
+        assert sum(len(m) for m in history[p.history_cut - 2 :]) > 200
+    written = tmp_path / "train.parquet"
+    from dflashpipe.prompts import write_prompts
+
+    write_prompts(written, train0)
+    assert pq.read_table(written).schema.names == [  # the file format did not change
+        "prompt_id", "source", "conversation_id", "turn", "messages", "reference", "origin"]  # fmt: skip
+    raw["prompts"]["exclude"] = [str(written)]
+    added, evals2, stats2 = build(Config.from_dict(raw).prompts)
+    assert evals2 == eval0 and {p.prompt_id for p in added} == {p.prompt_id for p in trimmed}
+    assert stats2["sources"]["s"]["dropped"]["excluded"] == len(train0)
+    raw["prompts"]["exclude"] = [str(tmp_path / "gone.parquet")]
+    with pytest.raises(DataError, match=r"prompts\.exclude: .*gone\.parquet does not exist"):
+        build(Config.from_dict(raw).prompts)

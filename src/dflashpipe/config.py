@@ -168,6 +168,10 @@ class PromptsConfig:
     max_reference_chars: int | None = None
     max_train: int | None = None
     seed: int = 0
+    # Off unless set, and absent from the digest then: an upgrade keeps earlier runs' prompts
+    # (and the answers made from them) current.
+    trim_history: bool = False
+    exclude: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.sources = [

@@ -3,6 +3,12 @@ held-out split -> limits -> seeded shuffle -> train.parquet, eval.parquet, stats
 
 Reads the configured sources in order; eval-only sources are deduplicated first so that a
 training copy of an eval prompt is the one dropped (no contamination of the eval set).
+
+`trim_history`: a turn whose history is over `max_chars` keeps the longest tail of whole
+messages that starts at a user message and fits, instead of being dropped. Such prompts train
+only, and the held-out split is drawn from the untrimmed ones alone, so the eval set is the same
+with the option as without it. `exclude`: train prompts that other prompt files hold (another
+run's train.parquet) are left out, for a run that adds answers beside that run's.
 """
 
 from __future__ import annotations
@@ -13,7 +19,7 @@ import logging
 import random
 import unicodedata
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pyarrow as pa
@@ -56,6 +62,7 @@ class Prompt:
     messages: list[dict]  # history ending with a user turn
     reference: str | None  # the dataset's own answer, when it has one
     origin: str
+    history_cut: int = field(default=0, compare=False)  # leading messages trimmed (not stored)
 
 
 class BadConversation(ValueError):
@@ -159,39 +166,76 @@ def _prompts_of(raw: RawConversation, src: SourceConfig, cfg: PromptsConfig, dro
     out, canon = [], []  # canonical() of conv's messages, made as far as a kept turn needs
     for turn, history, answer in items:
         reason = passes_filters(history, answer, cfg)
+        cut = 0
+        if reason == "too_long" and cfg.trim_history:
+            cut = history_tail(history, cfg.max_chars)
+            reason = passes_filters(history[cut:], answer, cfg)
         if reason:
             drops.drop(reason, raw.origin, f"turn {turn}")
             continue
         canon += [canonical(m) for m in history[len(canon) :]]
-        key = prompt_key(history, canon[: len(history)])
-        out.append(Prompt(key, src.name, raw.conversation_id, turn, history, answer, raw.origin))
+        key = prompt_key(history[cut:], canon[cut : len(history)])
+        out.append(Prompt(key, src.name, raw.conversation_id, turn, history[cut:], answer,
+                          raw.origin, cut))  # fmt: skip
     return out
 
 
+def history_tail(history: list[dict], max_chars: int) -> int:
+    """Where the longest tail of whole messages that starts at a user message and holds at most
+    max_chars begins; the last message's index (a user turn) where even it alone is longer."""
+    start, chars = len(history) - 1, 0
+    for i in range(len(history) - 1, -1, -1):
+        chars += len(history[i]["content"])
+        if chars > max_chars:
+            break
+        if history[i]["role"] == "user":
+            start = i
+    return start
+
+
 def dedupe(per_source: dict[str, list[Prompt]], order: list[str], stats: dict) -> None:
-    """Drop repeats of a prompt_id, in place; earlier sources in `order` keep theirs."""
+    """Drop repeats of a prompt_id, in place; earlier sources in `order` keep theirs, and
+    untrimmed prompts keep theirs over trimmed ones (which must not change the eval set)."""
     seen: set[str] = set()
+    kept: dict[str, set[int]] = {name: set() for name in order}
+    for trimmed in (False, True):
+        for name in order:
+            for i, p in enumerate(per_source[name]):
+                if bool(p.history_cut) != trimmed:
+                    continue
+                if p.prompt_id in seen:
+                    stats[name]["dropped"]["duplicate"] += 1
+                else:
+                    seen.add(p.prompt_id)
+                    kept[name].add(i)
     for name in order:
-        kept = []
-        for p in per_source[name]:
-            if p.prompt_id in seen:
-                stats[name]["dropped"]["duplicate"] += 1
-            else:
-                seen.add(p.prompt_id)
-                kept.append(p)
-        per_source[name] = kept
+        per_source[name] = [p for i, p in enumerate(per_source[name]) if i in kept[name]]
 
 
 def split_source(src: SourceConfig, prompts: list[Prompt], rng: random.Random):
-    """(train, eval): whole conversations are held out, so no conversation spans both splits."""
+    """(train, eval): whole conversations are held out, so no conversation spans both splits.
+    Trimmed prompts never evaluate, and the held-out conversations are drawn from the untrimmed
+    prompts' alone (the same draw as without trim_history); trimmed prompts of a held-out
+    conversation are left out."""
+    whole = [p for p in prompts if not p.history_cut]
     if src.split != "both":
-        return (prompts, []) if src.split == "train" else ([], prompts)
-    conv_ids = sorted({p.conversation_id for p in prompts})
+        return (prompts, []) if src.split == "train" else ([], whole)
+    conv_ids = sorted({p.conversation_id for p in whole})
     rng.shuffle(conv_ids)
     held = set(conv_ids[: src.eval_count])
     return [p for p in prompts if p.conversation_id not in held], [
-        p for p in prompts if p.conversation_id in held
+        p for p in whole if p.conversation_id in held
     ]
+
+
+def excluded_ids(paths: list[str]) -> set[str]:
+    """The prompt ids of other prompt files (prompts.exclude)."""
+    ids: set[str] = set()
+    for path in paths:
+        if not Path(path).is_file():
+            raise DataError(f"prompts.exclude: {path} does not exist")
+        ids.update(pq.read_table(path, columns=["prompt_id"]).column("prompt_id").to_pylist())
+    return ids
 
 
 def train_quotas(cfg: PromptsConfig, available: dict[str, int]) -> dict[str, int]:
@@ -224,8 +268,17 @@ def build(cfg: PromptsConfig) -> tuple[list[Prompt], list[Prompt], dict]:
         stats[name]["added"] = len(prompts)  # after filters and dedupe, before split and limits
     rng = random.Random(cfg.seed)
     train_by, eval_by = {}, {}
+    excluded = excluded_ids(cfg.exclude)
     for src in cfg.sources:
         train_by[src.name], eval_by[src.name] = split_source(src, per_source[src.name], rng)
+        split = len(train_by[src.name]) + len(eval_by[src.name])
+        if split < len(per_source[src.name]):  # trimmed turns of held-out conversations
+            dropped = len(per_source[src.name]) - split
+            stats[src.name]["dropped"]["trimmed_held_out"] += dropped
+        if excluded:
+            kept = [p for p in train_by[src.name] if p.prompt_id not in excluded]
+            stats[src.name]["dropped"]["excluded"] += len(train_by[src.name]) - len(kept)
+            train_by[src.name] = kept
         if src.split == "eval" and src.limit is not None:
             eval_by[src.name] = _take(eval_by[src.name], src.limit, rng, stats[src.name])
     quotas = train_quotas(cfg, {k: len(v) for k, v in train_by.items()})
@@ -235,6 +288,8 @@ def build(cfg: PromptsConfig) -> tuple[list[Prompt], list[Prompt], dict]:
         train += train_by[src.name]
         evals += eval_by[src.name]
         stats[src.name].update(train=len(train_by[src.name]), eval=len(eval_by[src.name]))
+        if cfg.trim_history:
+            stats[src.name]["trimmed"] = sum(p.history_cut > 0 for p in train_by[src.name])
     rng.shuffle(train)
     # evaluate reads the first eval rows: their order must not follow how many draws train took
     random.Random(f"{cfg.seed}:eval").shuffle(evals)
@@ -260,7 +315,7 @@ def _finish_stats(stats: dict, train: list[Prompt], evals: list[Prompt]) -> dict
 
 
 def write_prompts(dest: str | Path, prompts: list[Prompt]) -> None:
-    rows = [vars(p) for p in prompts]
+    rows = [{k: getattr(p, k) for k in PROMPT_SCHEMA.names} for p in prompts]
     table = pa.Table.from_pylist(rows, schema=PROMPT_SCHEMA)
     with atomic_path(dest) as tmp:
         pq.write_table(table, tmp, compression="zstd")
