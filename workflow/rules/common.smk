@@ -58,8 +58,8 @@ def stage_digest(*sections):
 
 
 def prompt_source_files(wildcards):
-    """Named inputs of the prompts rule: every file-based source (retrievable or the user's;
-    path <stdlib> is the interpreter's own, no input) and the files prompts.exclude names."""
+    """Named inputs of the prompts rule: every file-based source (retrievable or the
+    user's; <stdlib> is the interpreter's, no input) and prompts.exclude's files."""
     files = {s.name: s.file for s in CFG.prompts.sources if s.file}
     return files | {f"exclude-{i}": path for i, path in enumerate(CFG.prompts.exclude)}
 
