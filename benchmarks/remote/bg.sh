@@ -3,8 +3,7 @@
 # outlive the call that starts them), main first; a variant starts once the deepest stage of main
 # (or of the run its overlay's `# from:` line names) that its `# reuse:` line shares has finished
 # (none: at once), and the files of other runs its `# wait:` line names (relative to its work
-# directory) exist. /tmp/q/ALLDONE marks
-# the end. QUALITY_EXTRA=FILE adds one more config file on top of every run's (e.g. other sizes);
+# directory) exist. /tmp/q/ALLDONE marks the end. QUALITY_EXTRA=FILE adds one more config file on top of every run's (e.g. other sizes);
 # MAIN_TARGET=extract stops main at its features (when only a variant's drafter is wanted).
 # Answers kept from an earlier machine (mon.sh KEEP=..., carried as .remote/k*/ and gathered by
 # setup.sh in /tmp/xfer) are restored into their runs first (quality.py --restore).

@@ -331,9 +331,8 @@ class Trainer:
             self.fingerprint["distill_weight"] = self.tc.distill_weight
         if self.tc.sample_fraction < 1:  # other training data
             self.fingerprint["sample_fraction"] = self.tc.sample_fraction
-        if self.tc.answers_per_prompt is not None:  # other training data
-            self.fingerprint["answers_per_prompt"] = self.tc.answers_per_prompt
-        for key in ("weight_decay", "dropout"):  # other training (and optimizer groups)
+        # other training data, or other training (optimizer groups): set only off their defaults
+        for key in ("answers_per_prompt", "weight_decay", "dropout"):
             if getattr(self.tc, key):
                 self.fingerprint[key] = getattr(self.tc, key)
         if self.tc.rank_weight:  # another objective
