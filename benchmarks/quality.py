@@ -44,7 +44,7 @@ REPO = Path(__file__).resolve().parent.parent
 RECIPE = REPO / "configs" / "smollm2-sharegpt.yaml"
 OVERLAYS = REPO / "benchmarks" / "quality"
 KEPT = ("prompts", "sequences")  # result folders --keep carries, in stage order
-KEPT_SECTIONS = ("target", "retrieve", "prompts", "regenerate")  # the config that made them
+KEPT_STAGES = ("retrieve", "prompts", "regenerate")  # the stages that made them
 PART_BYTES = 15_000_000  # under a GPU call's 16 MiB per file brought back
 
 
@@ -208,15 +208,15 @@ def restore(runs: Path, variant: str, src: Path, configs: list[str]) -> bool:
     import yaml
 
     from dflashpipe.config import Config
+    from dflashpipe.stages import digest
 
     # the workflow's validation (defaults filled in) on both sides before their digests
     with tarfile.open(fileobj=io.BytesIO(zstandard.ZstdDecompressor().decompress(data))) as tar:
         kept = Config.from_dict(yaml.safe_load(tar.extractfile("config.resolved.yaml").read()))
         ours = Config.from_dict(merged_configs(configs))
-        if ours.digest(*KEPT_SECTIONS) != kept.digest(*KEPT_SECTIONS):
-            diff = [k for k in KEPT_SECTIONS if ours.digest(k) != kept.digest(k)]
-            print(f"[{variant}] restore: the kept answers were made with other {diff} "
-                  "sections; regenerating", flush=True)  # fmt: skip
+        if diff := [s for s in KEPT_STAGES if digest(ours, s) != digest(kept, s)]:
+            print(f"[{variant}] restore: the kept answers were made with another config of "
+                  f"the stages {diff}; regenerating", flush=True)  # fmt: skip
             return False
         members = [m for m in tar.getmembers() if m.name.split("/")[0] in KEPT]
         tar.extractall(results, members=members, filter="data")

@@ -506,25 +506,6 @@ def _(env):
 
 # ------------------------------------------------------------------------------- checkpoints
 @case(
-    "checkpoint-other-config",
-    "checkpoints",
-    "a checkpoint made for another drafter",
-    r"checkpoint .*step-\d+ was made with drafter\.num_layers=2",
-)
-def _(env):
-    manifest, _ = env.copy_features()
-    run, outs = train_run(
-        env,
-        env.config(train={"max_steps": 2, "checkpoint_every": 2}, drafter={"num_layers": 2}),
-        manifest,
-    )
-    run()  # a finished run with 2 layers leaves its checkpoints
-    for p in outs:
-        p.unlink()
-    return train_run(env, env.config(), manifest)
-
-
-@case(
     "checkpoint-corrupt",
     "checkpoints",
     "the newest checkpoint's state file is truncated",

@@ -16,6 +16,8 @@ import pyarrow.parquet as pq
 import pytest
 from conftest import REPO, worker_cores, write_yaml
 
+from dflashpipe.stages import digest
+
 TINY = {
     "prompts": {"max_train": 8},
     "regenerate": {"shards": 1, "batch_size": 4, "max_new_tokens": 8, "save_every": 4},
@@ -246,7 +248,7 @@ def test_every_overlay_is_a_valid_config_on_the_recipe():
                     isinstance(value, list) and any(isinstance(v, dict) for v in value)
                 )  # sections and sources get their defaults filled in
                 if not nested:
-                    assert cfg.section(section)[key] == value, (path.name, section, key)
+                    assert cfg.raw[section][key] == value, (path.name, section, key)
 
 
 def test_a_lever_cell_stacks_a_tau_only_evaluate_under_its_change():
@@ -257,11 +259,11 @@ def test_a_lever_cell_stacks_a_tau_only_evaluate_under_its_change():
     quality = _load_quality()
     assert [p.stem for p in quality.stack("rank8")] == ["tau-only", "rank8"]
     assert [p.stem for p in quality.stack("stdlib-extra")] == ["tau-only", "stdlib-extra"]
-    recipe = Config.from_dict(quality.merged_configs([str(quality.RECIPE)])).section("train")
+    recipe = Config.from_dict(quality.merged_configs([str(quality.RECIPE)])).raw["train"]
     for cell in ("rank8", "stdlib-extra"):
         configs = [str(quality.RECIPE)] + [str(p) for p in quality.stack(cell)]
         cfg = Config.from_dict(quality.merged_configs(configs))
-        train, ev = cfg.section("train"), cfg.section("evaluate")
+        train, ev = cfg.raw["train"], cfg.raw["evaluate"]
         assert ev["lossless_check"] is False and ev["methods"] == ["target", "dflash", "ddtree"]
         assert (train["num_anchors"], train["epochs"]) == (recipe["num_anchors"], recipe["epochs"])
         assert train["rank_weight"] == (0.2 if cell == "rank8" else recipe["rank_weight"])
@@ -318,8 +320,9 @@ def test_a_variant_reuses_the_results_of_the_run_its_from_line_names(tmp_path):
     cfg = Config.from_dict(quality.merged_configs(configs))
     assert cfg.train.answers_per_prompt == 1 and cfg.regenerate.samples_per_prompt == 4
     x4 = [str(quality.RECIPE)] + [str(p) for p in quality.stack("quarter-x4")]
-    for section in ("prompts", "regenerate", "extract"):  # what made the reused folders
-        assert cfg.digest(section) == Config.from_dict(quality.merged_configs(x4)).digest(section)
+    x4_cfg = Config.from_dict(quality.merged_configs(x4))
+    for stage in ("prompts", "regenerate", "extract"):  # what made the reused folders
+        assert digest(cfg, stage) == digest(x4_cfg, stage)
     recipe = Config.from_dict(quality.merged_configs([str(quality.RECIPE)]))
     limits = {s.name: s.limit for s in cfg.prompts.sources}
     assert limits["sharegpt"] == 6057 and limits["humaneval"] is None

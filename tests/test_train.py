@@ -119,7 +119,7 @@ def test_extra_features_are_trained_on_but_never_held_out(tmp_path, tiny_feature
 def test_adamw_betas_come_from_the_config(tmp_path, tiny_features):
     raw = json.loads(json.dumps(tiny_features["raw"]))
     raw["train"].pop("betas", None)
-    assert Config.from_dict(raw).section("train")["betas"] == [0.9, 0.95]  # the default
+    assert Config.from_dict(raw).raw["train"]["betas"] == [0.9, 0.95]  # the default
     raw["train"]["betas"] = [0.9, 0.999]
     cfg = Config.from_dict(raw)
     trainer = Trainer(cfg, tiny_features["manifest"], tmp_path / "b", torch.device("cpu"))
@@ -355,13 +355,60 @@ def test_manifest_mismatch_is_refused(tmp_path, tiny_features):
         )
 
 
-def test_checkpoint_of_another_drafter_is_refused(tmp_path, tiny_features):
-    args, out = _train(tmp_path, tiny_features, "c", max_steps=4)
+def _weights(out):
+    from safetensors.torch import load_file
+
+    return load_file(out / "drafter" / "model.safetensors")
+
+
+def test_a_changed_config_trains_afresh_and_sets_the_old_run_aside(tmp_path, tiny_features, caplog):
+    """A finished run, then train.lr halved: the rerun does not resume the finished run (it would
+    re-export the old drafter); its checkpoints move aside, the log names the key, the new
+    drafter differs and its metrics follow the new schedule from step 1. The same for a key of
+    another section that train reads (drafter.num_layers)."""
+    args, out = _train(tmp_path, tiny_features, "lr", max_steps=4, log_every=1)
     launch(*args)
+    before, rows = _weights(out), _rows(out / "metrics.jsonl")
+    lr = Config.from_dict(tiny_features["raw"]).train.lr
+    args, _ = _train(tmp_path, tiny_features, "lr", max_steps=4, log_every=1, lr=lr / 2)
+    launch(*args)
+    after, again = _weights(out), _rows(out / "metrics.jsonl")
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    assert [r["step"] for r in again] == [r["step"] for r in rows] == [1, 2, 3, 4]
+    for old, new in zip(rows, again, strict=True):  # the whole schedule scaled by the new lr
+        assert new["lr"] == pytest.approx(old["lr"] / 2, rel=1e-6)
+    moved = out / "run.superseded-1"
+    assert sorted(p.name for p in moved.glob("step-*")) == sorted(
+        p.name for p in (out / "run").glob("step-*")
+    )
     raw = json.loads(json.dumps(tiny_features["raw"]))
+    raw["train"].update(max_steps=4, log_every=1, lr=lr / 2)
     raw["drafter"]["num_layers"] = 2
-    with pytest.raises(DataError, match="drafter.num_layers=1.*drafter.num_layers=2"):
-        Trainer(Config.from_dict(raw), tiny_features["manifest"], out / "run", torch.device("cpu"))
+    with caplog.at_level("WARNING", logger="dflashpipe.train"):
+        trainer = Trainer(Config.from_dict(raw), tiny_features["manifest"], out / "run",
+                          torch.device("cpu"))  # fmt: skip
+    assert trainer.step == 0 and (out / "run.superseded-2").is_dir()
+    assert "drafter.num_layers changed" in caplog.text
+
+
+def test_resume_safe_keys_resume_and_more_epochs_continue(tmp_path, tiny_features, caplog):
+    """Changing only log_every resumes the finished run (nothing trained again, same drafter);
+    raising epochs continues from its last step; neither sets the run aside."""
+    args, out = _train(tmp_path, tiny_features, "safe", epochs=1)
+    launch(*args)
+    steps = _rows(out / "metrics.jsonl")[-1]["step"]
+    before = _weights(out)
+    args, _ = _train(tmp_path, tiny_features, "safe", epochs=1, log_every=1)
+    launch(*args)
+    assert all(torch.equal(before[k], v) for k, v in _weights(out).items())
+    raw = json.loads(json.dumps(tiny_features["raw"]))
+    raw["train"].update(epochs=2, log_every=1)
+    trainer = Trainer(Config.from_dict(raw), tiny_features["manifest"], out / "run",
+                      torch.device("cpu"))  # fmt: skip
+    assert trainer.step == steps and trainer.total_steps > steps
+    trainer.train()
+    assert trainer.step == trainer.total_steps
+    assert not list(out.glob("run.superseded-*"))
 
 
 def _rewrite_shards(out, tiny_features, codec: str | None = None, edit=None):

@@ -77,6 +77,32 @@ def latest(run_dir: Path) -> Path | None:
     return done[-1] if done else None
 
 
+def changed_keys(run_dir: Path, fingerprint: dict) -> list[str]:
+    """The fingerprint keys whose values differ from the newest complete checkpoint's (keys on
+    one side only count as changed); [] when there is none or it agrees."""
+    newest = latest(run_dir)
+    if newest is None:
+        return []
+    try:
+        saved = json.loads((newest / "fingerprint.json").read_text())
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        return []  # unreadable: load_latest passes it over for an older one, or says so
+    keys = sorted(set(saved) | set(fingerprint))
+    return [k for k in keys if saved.get(k, "<unset>") != fingerprint.get(k, "<unset>")]
+
+
+def set_aside(run_dir: Path) -> Path:
+    """Move a run directory out of the way (renamed `<name>.superseded-N`, nothing deleted) and
+    leave an empty one in its place; returns where the old one went."""
+    n = 1
+    while (moved := run_dir.with_name(f"{run_dir.name}.superseded-{n}")).exists():
+        n += 1
+    run_dir.rename(moved)
+    run_dir.mkdir()
+    fsync_path(run_dir.parent)
+    return moved
+
+
 def load_latest(run_dir: Path, fingerprint: dict) -> tuple[Path, dict] | None:
     """The newest checkpoint that can be read, and its state; None when there is none.
 

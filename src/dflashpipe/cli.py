@@ -80,23 +80,22 @@ def cmd_train(args: argparse.Namespace) -> None:
 
 
 def cmd_evaluate(args: argparse.Namespace) -> None:
-    from dflashpipe.config import TargetConfig
-    from dflashpipe.devices import stage_device
-    from dflashpipe.evaluate import EvaluateConfig, run
+    import dataclasses
 
-    target, section, devices = None, {}, "auto"
+    from dflashpipe.config import EvaluateConfig, TargetConfig
+    from dflashpipe.devices import stage_device
+    from dflashpipe.evaluate import run
+
+    target, ev, devices = None, EvaluateConfig(), "auto"
     if args.config:
         cfg = load_config(args.config)
-        target, devices = cfg.target, cfg.devices.extract
-        section = dict(cfg.section("evaluate"), enable_thinking=cfg.regenerate.enable_thinking)
+        target, ev, devices = cfg.target, cfg.evaluate, cfg.devices.extract
     if args.target:
         target = TargetConfig(model=args.target, gguf_file=args.gguf_file)
     if target is None:
         raise ConfigError("evaluate needs --target or a --config whose target: names one")
-    for key in ("num_prompts", "max_new_tokens"):
-        if getattr(args, key) is not None:
-            section[key] = getattr(args, key)
-    ev = EvaluateConfig(**section)
+    overrides = {k: getattr(args, k) for k in ("num_prompts", "max_new_tokens")}
+    ev = dataclasses.replace(ev, **{k: v for k, v in overrides.items() if v is not None})
     if args.device:
         run(target, args.drafter, args.prompts, args.out, ev, args.device)
         return

@@ -6,9 +6,12 @@ defaults; Snakemake validates against the same file when the workflow starts.
 
 from __future__ import annotations
 
-import hashlib
+import copy
+import dataclasses
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import cache, reduce
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -27,10 +30,20 @@ TEMPLATE_KINDS = ("humaneval", "python")
 STDLIB_PATH = "<stdlib>"
 
 
-def load_schema() -> dict:
+@cache
+def _schema_text() -> str:
     # The package carries a link to workflow/schemas/config.schema.yaml (a copy once installed).
-    text = resources.files("dflashpipe").joinpath(SCHEMA_FILE).read_text(encoding="utf-8")
-    return yaml.safe_load(text)
+    return resources.files("dflashpipe").joinpath(SCHEMA_FILE).read_text(encoding="utf-8")
+
+
+@cache
+def _schema() -> dict:
+    return yaml.safe_load(_schema_text())
+
+
+def load_schema() -> dict:
+    """The config schema (a fresh copy: callers may change it)."""
+    return copy.deepcopy(_schema())
 
 
 def _with_defaults(validator_class: type) -> type:
@@ -97,6 +110,65 @@ def validate(raw: dict, origin: str = "config") -> dict:
     return raw
 
 
+@cache
+def _section_validator(path: tuple[str, ...]) -> jsonschema.protocols.Validator:
+    """A validator of one part of the schema (e.g. ("properties", "evaluate")), its $refs
+    resolved against the whole schema's $defs."""
+    schema = _schema()
+    sub = reduce(lambda d, k: d[k], path, schema)
+    return jsonschema.validators.validator_for(schema)({"$defs": schema["$defs"], **sub})
+
+
+def _plain(obj: Any, schema: dict) -> Any:
+    """A section object as the mapping the schema describes: nested dataclasses as mappings,
+    None left out where the key has no default (there None means unset)."""
+    if isinstance(obj, list):
+        items = schema.get("items", {})
+        if "$ref" in items:
+            items = _schema()["$defs"][items["$ref"].rsplit("/", 1)[1]]
+        return [_plain(x, items) for x in obj]
+    if not dataclasses.is_dataclass(obj) and not isinstance(obj, dict):
+        return obj
+    pairs = obj.items() if isinstance(obj, dict) else vars(obj).items()
+    props = schema.get("properties", {})
+    return {k: _plain(v, props.get(k, {})) for k, v in pairs
+            if k in props and not (v is None and "default" not in props[k])}  # fmt: skip
+
+
+def section(*path: str) -> Callable[[type], type]:
+    """Make a config section's dataclass from its schema part, which holds the one copy of its
+    defaults and checks: fields missing a value take the schema's `default`, and every instance
+    (from YAML, a test or the evaluate CLI) is checked against the schema, naming `where.key`.
+    Fields the schema does not know (e.g. evaluate's enable_thinking, regenerate's) keep their
+    own default and are not checked. Cross-key checks stay in the class's `check()`."""
+    part = reduce(lambda d, k: d[k], path, _schema())
+    props = part.get("properties", {})
+    where = path[-1] if path[0] == "properties" else "prompts.sources[]"
+
+    def wrap(cls: type) -> type:
+        for name in cls.__annotations__:
+            if name in props and "default" in props[name] and name not in cls.__dict__:
+                default = props[name]["default"]
+                setattr(cls, name, field(default_factory=lambda d=default: copy.deepcopy(d)))
+        check = getattr(cls, "check", None)
+
+        def __post_init__(self) -> None:
+            validator = _section_validator(path)
+            plain = _plain(self, part)
+            errors = sorted(validator.iter_errors(plain), key=lambda e: list(map(str, e.path)))
+            if errors:
+                lines = "\n  ".join(_describe(e).replace("<top level>", where, 1) if not e.path
+                                    else f"{where}.{_describe(e)}" for e in errors)  # fmt: skip
+                raise ConfigError(f"{where} is not valid:\n  {lines}")
+            if check is not None:
+                check(self)
+
+        cls.__post_init__ = __post_init__
+        return dataclass(cls)
+
+    return wrap
+
+
 @dataclass
 class FieldMap:
     """Column names of one source; unset names take the defaults of the source's kind."""
@@ -111,24 +183,24 @@ class FieldMap:
     system: str | None = None
 
 
-@dataclass
+@section("$defs", "source")
 class SourceConfig:
     name: str
     kind: str
     path: str | None = None
     dataset: str | None = None
-    dataset_config: str | None = None
-    hf_split: str = "train"
-    data_files: str | list | None = None
-    fields: FieldMap = field(default_factory=FieldMap)
-    roles: dict[str, str] = field(default_factory=dict)
-    split: str = "both"
-    eval_count: int = 0
-    limit: int | None = None
-    weight: float = 1.0
-    template: str | None = None  # schema default: a "complete this function" message
+    dataset_config: str | None
+    hf_split: str
+    data_files: str | list | None
+    fields: FieldMap
+    roles: dict[str, str]
+    split: str
+    eval_count: int
+    limit: int | None
+    weight: float
+    template: str | None  # humaneval and python: the user message around the task's prompt
 
-    def __post_init__(self) -> None:
+    def check(self) -> None:
         if isinstance(self.fields, dict):
             self.fields = FieldMap(**self.fields)
         if self.kind in FILE_KINDS and not self.path:
@@ -156,24 +228,24 @@ class SourceConfig:
         return None if self.path == STDLIB_PATH else self.path
 
 
-@dataclass
+@section("properties", "prompts")
 class PromptsConfig:
     sources: list[SourceConfig]
-    expand_turns: bool = True
-    keep_unanswered: bool = True
-    dedupe: bool = True
-    min_chars: int = 1
-    max_chars: int | None = 16000
-    max_turns: int | None = None
-    max_reference_chars: int | None = None
-    max_train: int | None = None
-    seed: int = 0
-    # Off unless set, and absent from the digest then: an upgrade keeps earlier runs' prompts
-    # (and the answers made from them) current.
+    expand_turns: bool
+    keep_unanswered: bool
+    dedupe: bool
+    min_chars: int
+    max_chars: int | None
+    max_turns: int | None
+    max_reference_chars: int | None
+    max_train: int | None
+    seed: int
+    # No schema default: unset, they stay out of the prompts stage's digest, so finished prompts
+    # stages (and the answers made from them) stay current. Unset means off / none.
     trim_history: bool = False
     exclude: list[str] = field(default_factory=list)
 
-    def __post_init__(self) -> None:
+    def check(self) -> None:
         self.sources = [
             s if isinstance(s, SourceConfig) else SourceConfig(**s) for s in self.sources
         ]
@@ -195,34 +267,34 @@ class RetrieveSpec:
     dest: str
 
 
-@dataclass
+@section("properties", "target")
 class TargetConfig:
     model: str
-    gguf_file: str | None = None
-    tokenizer: str | None = None
-    revision: str | None = None
-    attn_implementation: str = "sdpa"
-    dtype: str = "auto"
+    gguf_file: str | None
+    tokenizer: str | None
+    revision: str | None
+    attn_implementation: str
+    dtype: str
 
 
-@dataclass
+@section("properties", "regenerate")
 class RegenerateConfig:
-    enabled: bool = True
-    shards: int = 2
-    batch_size: int = 32
-    max_new_tokens: int = 256
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int = 0
-    enable_thinking: bool | None = None
-    cache: str = "auto"
-    save_every: int = 512
-    max_prompt_tokens: int | None = None
-    samples_per_prompt: int = 1
-    greedy_first: bool = True
+    enabled: bool
+    shards: int
+    batch_size: int
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int
+    enable_thinking: bool | None
+    cache: str
+    save_every: int
+    max_prompt_tokens: int | None
+    samples_per_prompt: int
+    greedy_first: bool
 
-    def __post_init__(self) -> None:
+    def check(self) -> None:
         n = self.samples_per_prompt
         if n > 1 and self.temperature == 0:
             raise ConfigError(
@@ -236,13 +308,13 @@ class RegenerateConfig:
             )
 
 
-@dataclass
+@section("properties", "devices")
 class DevicesConfig:
-    extract: str | list[int] = "auto"
-    train: str | list[int] = "auto"
+    extract: str | list[int]
+    train: str | list[int]
 
 
-@dataclass
+@section("properties", "extract")
 class ExtractConfig:
     """Stage 3's section; keys, defaults and their meaning: the schema's `extract`."""
 
@@ -255,12 +327,22 @@ class ExtractConfig:
     direct_io: bool
     topk: int  # 0: no soft targets; k: the target's top-k next-token log-probs per position
 
-    def __post_init__(self) -> None:
-        if self.topk < 0:
-            raise ConfigError(f"extract.topk is {self.topk}; expected 0 (none) or a count > 0")
+
+@section("properties", "drafter")
+class DrafterShape:
+    """The drafter section: its shape; everything else comes from the target (model.py's
+    DrafterConfig.from_target)."""
+
+    num_layers: int
+    block_size: int
+    num_target_layers: int
+    target_layer_ids: list[int] | None
+    mask_token_id: int | None
+    sliding_window: int | None
+    init: str
 
 
-@dataclass
+@section("properties", "train")
 class TrainConfig:
     """Stage 4's section; keys, defaults and their meaning: the schema's `train`."""
 
@@ -295,11 +377,7 @@ class TrainConfig:
     sample_fraction: float  # a seeded share of the training samples (data-scaling runs); 1: all
     answers_per_prompt: int | None  # answers 0..n-1 of each prompt only (data scaling); None: all
 
-    def __post_init__(self) -> None:
-        if not 0 <= self.distill_weight <= 1:
-            raise ConfigError(
-                f"train.distill_weight is {self.distill_weight}; expected a share in [0, 1]"
-            )
+    def check(self) -> None:
         if self.distill_weight + self.rank_weight > 1:
             raise ConfigError(
                 f"train.distill_weight {self.distill_weight} + train.rank_weight "
@@ -307,9 +385,44 @@ class TrainConfig:
             )
 
 
+@section("properties", "evaluate")
+class EvaluateConfig:
+    """Stage 6's section; keys, defaults and their meaning: the schema's `evaluate`."""
+
+    num_prompts: int
+    max_new_tokens: int
+    prompt_lookup_num_tokens: int
+    prompt_lookup_max_ngram: int
+    prompt_lookup_occurrence: str
+    prompt_lookup_search: str
+    prompt_lookup_sweep: bool
+    lossless_check: bool
+    workers: int
+    methods: list[str]
+    tree_nodes: list[int]
+    tree_top_k: int
+    engine: str
+    enable_thinking: bool | None = None  # regenerate's: prompts encoded as the answers were
+
+    def check(self) -> None:
+        if missing := [m for m in ("target", "dflash") if m not in self.methods]:
+            raise ConfigError(
+                f"evaluate.methods lacks {missing}: target-only and DFlash are always decoded "
+                "(the speedups' baseline and the headline figures)"
+            )
+
+    def slack(self, block_size: int) -> int:
+        """Positions past the committed length that one step may write: a block, a tree of the
+        largest budget plus its root, or the anchor and prompt lookup's drafts."""
+        trees = max(self.tree_nodes) + 1 if "ddtree" in self.methods else 0
+        lookup = self.prompt_lookup_num_tokens + 1 if "prompt_lookup" in self.methods else 0
+        return max(block_size, trees, lookup)
+
+
 @dataclass
 class Config:
-    """The whole validated configuration; `raw` keeps the defaulted mapping for stage digests."""
+    """The whole validated configuration, one typed section per stage; `raw` keeps the defaulted
+    mapping (stages.digest hashes the keys a stage reads from it)."""
 
     target: TargetConfig
     prompts: PromptsConfig
@@ -317,12 +430,15 @@ class Config:
     retrieve: dict[str, RetrieveSpec]
     regenerate: RegenerateConfig
     extract: ExtractConfig
+    drafter: DrafterShape
     train: TrainConfig
+    evaluate: EvaluateConfig
     raw: dict
 
     @classmethod
     def from_dict(cls, raw: dict, origin: str = "config") -> Config:
         raw = validate(json.loads(json.dumps(raw)), origin)
+        enable_thinking = raw["regenerate"]["enable_thinking"]
         return cls(
             target=TargetConfig(**raw["target"]),
             prompts=PromptsConfig(**raw["prompts"]),
@@ -330,18 +446,11 @@ class Config:
             retrieve={k: RetrieveSpec(**{"member": None, **v}) for k, v in raw["retrieve"].items()},
             regenerate=RegenerateConfig(**raw["regenerate"]),
             extract=ExtractConfig(**raw["extract"]),
+            drafter=DrafterShape(**raw["drafter"]),
             train=TrainConfig(**raw["train"]),
+            evaluate=EvaluateConfig(**raw["evaluate"], enable_thinking=enable_thinking),
             raw=raw,
         )
-
-    def section(self, name: str) -> dict[str, Any]:
-        """A stage's defaulted section as plain data (for stages still configured by mapping)."""
-        return self.raw[name]
-
-    def digest(self, *sections: str) -> str:
-        """Short hash of the named sections; a rule's params carry it so edits trigger reruns."""
-        payload = json.dumps({s: self.raw.get(s) for s in sections}, sort_keys=True)
-        return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 
 def load_config(path: str | Path) -> Config:

@@ -29,7 +29,7 @@ import logging
 import platform
 import time
 from collections import Counter, defaultdict
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -37,12 +37,12 @@ import torch
 import transformers
 
 from dflashpipe.chat import encode_prompt, end_of_turn_ids
-from dflashpipe.config import TargetConfig
-from dflashpipe.decoders import ENGINES, METHODS, Decoders
+from dflashpipe.config import EvaluateConfig, TargetConfig
+from dflashpipe.decoders import Decoders
 from dflashpipe.errors import ConfigError, DataError
 from dflashpipe.export import CONFIG_NAME, config_from_dict, load_drafter
 from dflashpipe.figures import best_per_source, summarize
-from dflashpipe.lookup import GRID, OCCURRENCES, SEARCHES, LookupConfig, sweep
+from dflashpipe.lookup import GRID, LookupConfig, sweep
 from dflashpipe.model import DrafterConfig
 from dflashpipe.speculative import Decoded
 from dflashpipe.storage import write_json
@@ -50,65 +50,12 @@ from dflashpipe.storage import write_json
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class EvaluateConfig:
-    """Stage settings (the `evaluate` section; enable_thinking as regenerate's)."""
-
-    num_prompts: int = 32
-    max_new_tokens: int = 256
-    prompt_lookup_num_tokens: int = 10  # transformers' usual setting
-    prompt_lookup_max_ngram: int = 2  # transformers' default max_matching_ngram_size
-    prompt_lookup_occurrence: str = "earliest"  # transformers' rule; or "latest"
-    prompt_lookup_search: str = "all"  # prompt and generated text; or "prompt"
-    prompt_lookup_sweep: bool = True  # replay lookup.GRID on the target's outputs: the baseline
-    # the float32 pass that checks every speculative output against target-only greedy; off
-    # only for tau-only sweeps (e.g. the quality recipe's lever cells), never for a headline
-    lossless_check: bool = True
-    workers: int = 1  # processes decoding slices of the prompts side by side on the one device
-    enable_thinking: bool | None = None
-    methods: list[str] = field(default_factory=lambda: list(METHODS))
-    tree_nodes: list[int] = field(default_factory=lambda: [16, 32, 64, 128])  # DDTree budgets
-    tree_top_k: int = 8  # drafter candidates per slot the DDTree search draws from
-    engine: str = "auto"  # auto: the static engine where it supports the target; eager
-
-    def __post_init__(self) -> None:
-        for name in (
-            "num_prompts", "max_new_tokens", "prompt_lookup_num_tokens", "prompt_lookup_max_ngram",
-            "workers", "tree_top_k",
-        ):  # fmt: skip
-            if getattr(self, name) < 1:
-                raise ConfigError(f"evaluate.{name} must be >= 1, got {getattr(self, name)}")
-        if unknown := [m for m in self.methods if m not in METHODS]:
-            raise ConfigError(f"evaluate.methods: unknown {unknown}; expected some of {METHODS}")
-        if missing := [m for m in ("target", "dflash") if m not in self.methods]:
-            raise ConfigError(
-                f"evaluate.methods lacks {missing}: target-only and DFlash are always decoded "
-                "(the speedups' baseline and the headline figures)"
-            )
-        if not self.tree_nodes or min(self.tree_nodes) < 1:
-            raise ConfigError(f"evaluate.tree_nodes must list budgets >= 1, got {self.tree_nodes}")
-        if self.engine not in ENGINES:
-            raise ConfigError(f"evaluate.engine must be one of {ENGINES}, got {self.engine!r}")
-        for name, allowed in (("occurrence", OCCURRENCES), ("search", SEARCHES)):
-            if (value := getattr(self, f"prompt_lookup_{name}")) not in allowed:
-                raise ConfigError(
-                    f"evaluate.prompt_lookup_{name} must be one of {allowed}, got {value!r}"
-                )
-
-    @property
-    def lookup(self) -> LookupConfig:
-        """The configured (timed) prompt lookup."""
-        return LookupConfig(
-            self.prompt_lookup_num_tokens, self.prompt_lookup_max_ngram,
-            self.prompt_lookup_occurrence, self.prompt_lookup_search,
-        )  # fmt: skip
-
-    def slack(self, block_size: int) -> int:
-        """Positions past the committed length that one step may write: a block, a tree of the
-        largest budget plus its root, or the anchor and prompt lookup's drafts."""
-        trees = max(self.tree_nodes) + 1 if "ddtree" in self.methods else 0
-        lookup = self.prompt_lookup_num_tokens + 1 if "prompt_lookup" in self.methods else 0
-        return max(block_size, trees, lookup)
+def configured_lookup(ev: EvaluateConfig) -> LookupConfig:
+    """The configured (timed) prompt lookup."""
+    return LookupConfig(
+        ev.prompt_lookup_num_tokens, ev.prompt_lookup_max_ngram,
+        ev.prompt_lookup_occurrence, ev.prompt_lookup_search,
+    )  # fmt: skip
 
 
 def read_drafter_config(drafter_dir: str | Path) -> DrafterConfig:
@@ -224,7 +171,7 @@ def decode_and_check(
 
     def decoders(methods: list[str], compile: bool | None = None) -> Decoders:
         return Decoders(
-            model, drafter, methods, ev.engine, max_len, ev.tree_nodes, ev.tree_top_k, ev.lookup,
+            model, drafter, methods, ev.engine, max_len, ev.tree_nodes, ev.tree_top_k, configured_lookup(ev),
             compile,
         )  # fmt: skip
 
@@ -381,7 +328,7 @@ def run(
         main,
         lossless,
         cfg.block_size,
-        ev.lookup,
+        configured_lookup(ev),
         reduced_precision=run_dtype != torch.float32,
         engine=engine,
         lookup_sweep=swept or None,

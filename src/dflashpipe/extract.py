@@ -319,9 +319,8 @@ class Extractor:
 def layer_ids_for(cfg: Config, num_target_layers: int) -> list[int]:
     from dflashpipe.model import default_target_layer_ids
 
-    drafter = cfg.section("drafter")
-    ids = drafter["target_layer_ids"] or default_target_layer_ids(
-        num_target_layers, drafter["num_target_layers"]
+    ids = cfg.drafter.target_layer_ids or default_target_layer_ids(
+        num_target_layers, cfg.drafter.num_target_layers
     )
     bad = [i for i in ids if not 0 <= i < num_target_layers]
     if bad:

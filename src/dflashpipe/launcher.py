@@ -84,7 +84,7 @@ def launch(config_path: str, manifest: str, run_dir: str, drafter: str, metrics:
             devices = resolve_devices(cfg.devices.train, visible_gpus(), "devices.train")
             for d in devices:
                 leases.enter_context(lease_device([d], d))
-            nproc = len(devices) or cfg.section("train")["cpu_processes"]
+            nproc = len(devices) or cfg.train.cpu_processes
             if devices:
                 env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, devices))
             else:

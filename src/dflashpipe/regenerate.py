@@ -340,7 +340,7 @@ def run(
         return True
     gen = cfg.regenerate
     rows = shard_rows(Path(prompts_path), shard, gen.shards)
-    budget = cfg.section("extract")["max_length"]
+    budget = cfg.extract.max_length
     parts = PartStore(out_path)
     if not gen.enabled:
         tok = load_tokenizer(cfg.target)
@@ -362,7 +362,7 @@ def run(
     seqs.sort(key=lambda r: order[r["prompt_id"]])  # stable: a prompt's answers by sample index
     meta = {
         "target": identity,
-        "regenerate": json.dumps(cfg.section("regenerate"), sort_keys=True),
+        "regenerate": json.dumps(cfg.raw["regenerate"], sort_keys=True),
         "stats": json.dumps({"prompts": len(rows), "samples": len(seqs), **stats}),
         "shard": f"{shard}/{gen.shards}",
     }

@@ -15,6 +15,7 @@ and metrics are accumulated on the device and read only at log intervals.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import logging
 import math
@@ -50,6 +51,8 @@ from dflashpipe.loss import block_labels, block_soft_targets, default_gamma, dfl
 from dflashpipe.metrics import MetricsLog, expected_acceptance, step_flops
 from dflashpipe.model import FROZEN_PREFIXES, Drafter, DrafterConfig, init_from_target_layers
 from dflashpipe.shards import FeatureShard, check_manifest, verify_shard
+from dflashpipe.stages import ABSENT, fingerprint_keys
+from dflashpipe.stages import value as config_value
 from dflashpipe.storage import atomic_path, write_json
 
 log = logging.getLogger("dflashpipe.train")
@@ -133,6 +136,13 @@ def extra_features(path: Path, own: dict, topk: int = 0) -> tuple[dict, list[Pat
     except DataError as e:
         raise DataError(f"train.extra_features {path}: {e}") from None
     return manifest, [path.parent / Path(s["path"]).name for s in manifest["shards"]]
+
+
+def features_digest(vouched: list[tuple[Path, dict]]) -> str:
+    """What the shards trained on hold: their sha256s, as their manifests vouch for them."""
+    sums = [next(s["sha256"] for s in m["shards"] if Path(s["path"]).name == p.name)
+            for p, m in vouched]  # fmt: skip
+    return hashlib.sha256(json.dumps(sums).encode()).hexdigest()[:16]
 
 
 def compute_head(drafter: Drafter, device: torch.device) -> torch.Tensor:
@@ -281,23 +291,21 @@ class Trainer:
         check_manifest(self.manifest, {"target.tokenizer_sha256": identity["tokenizer_sha256"],
                                        "target.weights_sha256": identity["weights_sha256"],
                                        "hidden_size": tc.hidden_size})  # fmt: skip
-        d = self.cfg.section("drafter")
-        if d["target_layer_ids"] is not None:
-            check_manifest(self.manifest, {"layer_ids": d["target_layer_ids"]})
+        d = self.cfg.drafter
+        if d.target_layer_ids is not None:
+            check_manifest(self.manifest, {"layer_ids": d.target_layer_ids})
         for path, manifest in self.vouched[self.rank :: self.world]:  # each shard hashed once
             verify_shard(path, manifest)
         mask_id = (
-            d["mask_token_id"]
-            if d["mask_token_id"] is not None
-            else choose_mask_token(tok, self.shards)
+            d.mask_token_id if d.mask_token_id is not None else choose_mask_token(tok, self.shards)
         )
         self.dcfg = DrafterConfig.from_target(
-            target.config, mask_token_id=mask_id, num_layers=d["num_layers"], block_size=d["block_size"],
-            target_layer_ids=self.manifest["layer_ids"], sliding_window=d["sliding_window"],
+            target.config, mask_token_id=mask_id, num_layers=d.num_layers, block_size=d.block_size,
+            target_layer_ids=self.manifest["layer_ids"], sliding_window=d.sliding_window,
         )  # fmt: skip
         torch.manual_seed(self.tc.seed)
         drafter = Drafter.from_target_model(self.dcfg, target)
-        if d["init"] == "target-layers":
+        if d.init == "target-layers":
             used = init_from_target_layers(drafter, target)
             log.info("drafter layers start from the target's decoder layers %s", used)
         drafter = drafter.to(self.device)
@@ -319,26 +327,12 @@ class Trainer:
             self.model = drafter
         self.gamma = self.tc.gamma or default_gamma(self.dcfg.block_size)
         self.rank_term = (self.tc.rank_weight, self.tc.rank_k)  # loss.dflash_loss's ranking term
-        self.fingerprint = {f"drafter.{k}": v for k, v in vars(self.dcfg).items()}
-        self.fingerprint.update(
-            world=self.world, micro_batch_tokens=self.tokens, num_anchors=self.tc.num_anchors
-        )
-        if self.tc.val_samples:  # the held-out samples are not in the training data
-            self.fingerprint["val_samples"] = self.tc.val_samples
-        if self.tc.extra_features:
-            self.fingerprint["extra_features"] = list(self.tc.extra_features)
-        if self.tc.distill_weight:  # another objective (and data read): not a run to resume
-            self.fingerprint["distill_weight"] = self.tc.distill_weight
-        if self.tc.sample_fraction < 1:  # other training data
-            self.fingerprint["sample_fraction"] = self.tc.sample_fraction
-        # other training data, or other training (optimizer groups): set only off their defaults
-        for key in ("answers_per_prompt", "weight_decay", "dropout"):
-            if getattr(self.tc, key):
-                self.fingerprint[key] = getattr(self.tc, key)
-        if self.tc.rank_weight:  # another objective
-            self.fingerprint["rank"] = [self.tc.rank_weight, self.tc.rank_k]
-        if self.fsdp:  # its checkpoints key the optimizer state by name, DDP's by position
-            self.fingerprint["parallel"] = "fsdp"
+        # Everything train reads but the resume-safe keys (stages.py), the world size (each
+        # rank's data position) and the features' content: a checkpoint resumes only when all
+        # of it is unchanged, so a rerun never mixes two configurations.
+        self.fingerprint = {k: v for k in fingerprint_keys("train")
+                            if (v := config_value(self.cfg.raw, k)) is not ABSENT}  # fmt: skip
+        self.fingerprint.update(world=self.world, features=features_digest(self.vouched))
 
     def _build_optimizer(self) -> None:
         params = [p for p in self.drafter.parameters() if p.requires_grad]
@@ -379,6 +373,12 @@ class Trainer:
         return {k: v for k, v in full.items() if not k.startswith(FROZEN_PREFIXES)}
 
     def _resume(self) -> None:
+        if self.rank == 0 and (changed := checkpoint.changed_keys(self.run_dir, self.fingerprint)):
+            moved = checkpoint.set_aside(self.run_dir)
+            log.warning("a fresh run: %s changed since the checkpoints in %s, which are moved "
+                        "to %s", ", ".join(changed), self.run_dir, moved)  # fmt: skip
+        if self.world > 1:
+            dist.barrier()  # every rank sees the run directory as rank 0 left it
         found = checkpoint.load_latest(self.run_dir, self.fingerprint)
         if found is None:
             return

@@ -1,4 +1,5 @@
 # Shared helpers: config validation, the resolved config file the CLI reads, input functions.
+import os
 import re
 import sys
 from pathlib import Path
@@ -11,6 +12,7 @@ sys.path.insert(0, str(Path(workflow.basedir) / "src"))
 try:
     from dflashpipe.config import Config
     from dflashpipe.errors import ConfigError
+    from dflashpipe import stages
     from dflashpipe.storage import atomic_path
 except ImportError as e:
     raise WorkflowError(
@@ -29,8 +31,14 @@ RESULTS = "results"
 LOGS = f"{RESULTS}/logs"
 BENCH = f"{RESULTS}/benchmarks"
 RESOLVED_CONFIG = f"{RESULTS}/config.resolved.yaml"
-# Every rule runs this checkout's code, also inside a --sdm conda environment.
-DFLASHPIPE = f"PYTHONPATH={Path(workflow.basedir) / 'src'}${{PYTHONPATH:+:$PYTHONPATH}} python -m dflashpipe"
+# Every rule runs this checkout's code, also inside a --sdm conda environment and in SLURM jobs
+# (which inherit this environment). Through the environment, not the command: a rule's command
+# is one of its params, and a path in it would replan every job of a copied or moved run.
+_SRC = str(Path(workflow.basedir) / "src")
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    [_SRC] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != _SRC]
+)
+DFLASHPIPE = "python -m dflashpipe"
 
 
 def write_resolved_config(path=RESOLVED_CONFIG):
@@ -52,9 +60,16 @@ def retrieve_dests():
     return [spec.dest for spec in CFG.retrieve.values()]
 
 
-def stage_digest(*sections):
-    """Rules carry this as a param: editing a stage's config section reruns that stage."""
-    return CFG.digest(*sections)
+def stage_digest(stage):
+    """Rules carry this as a param: editing a key the stage reads (src/dflashpipe/stages.py)
+    reruns that stage, and Snakemake then what lies downstream of it."""
+    return stages.digest(CFG, stage)
+
+
+def retrieve_digest(wildcards):
+    """A retrieve job's param: its own entry, so an edit refetches that one file."""
+    spec = next(s for s in CFG.retrieve.values() if s.dest == wildcards.dest)
+    return stages.hash_values(vars(spec))
 
 
 def prompt_source_files(wildcards):

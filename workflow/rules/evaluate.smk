@@ -20,7 +20,7 @@ rule evaluate:
     params:
         cli=DFLASHPIPE,
         config=RESOLVED_CONFIG,
-        digest=stage_digest("target", "evaluate"),
+        digest=stage_digest("evaluate"),
         drafter=lambda wildcards, input: Path(input.drafter_config).parent,
     shell:
         "{params.cli} evaluate --config {params.config} --drafter {params.drafter}"

@@ -21,7 +21,7 @@ rule extract_shard:
     params:
         cli=DFLASHPIPE,
         config=RESOLVED_CONFIG,
-        digest=stage_digest("target", "extract", "drafter"),
+        digest=stage_digest("extract"),
         shard=lambda wc: int(wc.shard),
     shell:
         "{params.cli} extract --config {params.config} --sequences {input.sequences}"

@@ -20,7 +20,7 @@ rule regenerate_shard:
     params:
         cli=DFLASHPIPE,
         config=RESOLVED_CONFIG,
-        digest=stage_digest("target", "regenerate", "extract"),
+        digest=stage_digest("regenerate"),
         shard=lambda wc: int(wc.shard),
     shell:
         "{params.cli} regenerate --config {params.config} --prompts {input.prompts}"

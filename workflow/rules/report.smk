@@ -7,7 +7,7 @@ rule report:
         eval=rules.evaluate.output.metrics,
         prompts=rules.prompts.output.stats,
         manifest=rules.extract_manifest.output[0],
-        extra=CFG.section("train")["extra_features"],
+        extra=CFG.train.extra_features,
     output:
         loss=report(f"{RESULTS}/report/loss.png", category="Training"),
         acceptance=report(f"{RESULTS}/report/acceptance.png", category="Training"),

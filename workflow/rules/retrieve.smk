@@ -16,6 +16,7 @@ rule retrieve:
     params:
         cli=DFLASHPIPE,
         config=RESOLVED_CONFIG,
+        digest=retrieve_digest,
     shell:
         "{params.cli} retrieve --config {params.config} --dest {output} > {log} 2>&1"
 

@@ -8,7 +8,7 @@ rule train:
         manifest=f"{RESULTS}/features/manifest.json",
         shards=feature_shards(),
         target=target_files,
-        extra=CFG.section("train")["extra_features"],
+        extra=CFG.train.extra_features,
     output:
         config=f"{RESULTS}/drafter/config.json",
         weights=f"{RESULTS}/drafter/model.safetensors",
@@ -23,7 +23,7 @@ rule train:
     params:
         cli=DFLASHPIPE,
         config=RESOLVED_CONFIG,
-        digest=stage_digest("target", "drafter", "train"),
+        digest=stage_digest("train"),
         run_dir=f"{RESULTS}/train/run",
         drafter=lambda wildcards, output: Path(output.config).parent,
     shell:
