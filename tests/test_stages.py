@@ -1,0 +1,199 @@
+"""What each stage reads (src/dflashpipe/stages.py) and what an edit reruns: the key-change matrix
+over every leaf of the schema, the resume fingerprint, and real `snakemake -n` dry runs of a
+finished workflow copied (checkout and results) to another folder."""
+
+import json
+import re
+import shutil
+
+import pytest
+import yaml
+from conftest import REPO, SNAKEMAKE
+
+from dflashpipe import stages
+from dflashpipe.config import Config, _schema
+from dflashpipe.errors import ConfigError
+
+# Valid other values where the schema alone does not give one (null defaults, free strings,
+# lists, keys whose change needs another key to stay valid).
+OTHER = {
+    "target.model": "another/model",
+    "target.gguf_file": "other.gguf",
+    "target.tokenizer": "another/tokenizer",
+    "target.revision": "main",
+    "target.attn_implementation": "eager",
+    "retrieve": {},
+    "prompts.sources": [{"name": "x", "kind": "jsonl", "path": "x.jsonl"}],
+    "prompts.exclude": ["other/train.parquet"],
+    "prompts.trim_history": True,
+    "regenerate.samples_per_prompt": {"regenerate.samples_per_prompt": 2,
+                                      "regenerate.temperature": 0.7},  # fmt: skip
+    "regenerate.enable_thinking": False,
+    "regenerate.max_prompt_tokens": 100,
+    "extract.encode_workers": 3,
+    "drafter.target_layer_ids": [0, 1],
+    "drafter.mask_token_id": 5,
+    "drafter.sliding_window": 64,
+    "train.betas": [0.9, 0.999],
+    "train.extra_features": ["other/manifest.json"],
+    "train.micro_batch_tokens": 1024,
+    "train.tokens_per_step": 4096,
+    "train.max_steps": 10,
+    "train.gamma": 5.0,
+    "train.answers_per_prompt": 1,
+    "evaluate.methods": ["target", "dflash"],
+    "evaluate.tree_nodes": [8],
+    "devices.extract": [0],
+    "devices.train": [1],
+}
+
+DOWN_FROM = {
+    "regenerate": {"regenerate", "extract", "train", "evaluate", "report"},
+    "extract": {"extract", "train", "evaluate", "report"},
+    "train": {"train", "evaluate", "report"},
+    "evaluate": {"evaluate", "report"},
+}
+# The keys that matter, by hand: an edit to the left reruns exactly these stages.
+EXPECTED = {
+    "extract.codec": DOWN_FROM["extract"],
+    "extract.topk": DOWN_FROM["extract"],
+    "extract.max_length": DOWN_FROM["regenerate"],  # the answers' room
+    "extract.encode_workers": set(),
+    "extract.direct_io": set(),
+    "drafter.block_size": DOWN_FROM["train"],
+    "drafter.num_layers": DOWN_FROM["train"],
+    "drafter.target_layer_ids": DOWN_FROM["extract"],
+    "drafter.num_target_layers": DOWN_FROM["extract"],
+    "train.lr": DOWN_FROM["train"],
+    "train.epochs": DOWN_FROM["train"],
+    "train.seed": DOWN_FROM["train"],
+    "devices.extract": set(),
+    "devices.train": set(),
+    "prompts.max_train": {"prompts", *DOWN_FROM["regenerate"]},
+}
+EXPECTED |= {f"regenerate.{k}": DOWN_FROM["regenerate"]
+             for k in _schema()["properties"]["regenerate"]["properties"]}  # fmt: skip
+EXPECTED |= {f"evaluate.{k}": DOWN_FROM["evaluate"]
+             for k in _schema()["properties"]["evaluate"]["properties"]}  # fmt: skip
+
+
+def _leaf_schema(key):
+    node = _schema()
+    for part in key.split("."):
+        node = node["properties"][part]
+    return node
+
+
+def _other(key, current):
+    """A valid value other than `current` for `key` ({key: value, ...} where a partner key must
+    change with it)."""
+    if key in OTHER:
+        return OTHER[key] if isinstance(OTHER[key], dict) and key != "retrieve" else {key: OTHER[key]}
+    s = _leaf_schema(key)
+    if "enum" in s:
+        return {key: next(v for v in s["enum"] if v != current)}
+    kinds = s.get("type")
+    kinds = kinds if isinstance(kinds, list) else [kinds]
+    if "boolean" in kinds:
+        return {key: not current}
+    if "integer" in kinds:
+        value = (current or s.get("minimum", 0)) + 1
+        return {key: value if value <= s.get("maximum", value) else current - 1}
+    if "number" in kinds:
+        return {key: current / 2 if current else 0.5}
+    raise AssertionError(f"no other value known for {key} (add it to OTHER)")
+
+
+def _edited(raw, change):
+    out = json.loads(json.dumps(raw))
+    for key, value in change.items():
+        node = out
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return out
+
+
+@pytest.fixture(scope="module")
+def base():
+    return Config.from_dict(yaml.safe_load((REPO / "config.yaml").read_text()))
+
+
+def test_every_leaf_is_described_and_read_by_a_stage():
+    leaves = stages.schema_leaves()
+    assert "extract.codec" in leaves and "prompts.sources" in leaves and "retrieve" in leaves
+    undescribed = [k for k in leaves if not _leaf_schema(k).get("description")]
+    assert not undescribed, f"schema keys without a description: {undescribed}"
+    read = {k for name in stages.STAGES for k in stages.reads(name)}
+    assert not [k for k in leaves if k not in read], "keys no stage reads: a key that does nothing"
+    with pytest.raises(KeyError, match="'extract.codecs', which is no key"):
+        stages.expand(("extract.codecs",))
+
+
+def test_key_change_matrix(base):
+    """Every leaf changed to a valid other value: the stages whose digest changes, and what lies
+    downstream of them, are exactly what the declarations say, and for the keys that matter what
+    the table above says. A digest that ignored a key, or covered a whole section, fails here."""
+    for key in stages.schema_leaves():
+        change = _other(key, stages.value(base.raw, key))
+        try:
+            edited = Config.from_dict(_edited(base.raw, change))
+        except ConfigError as e:
+            raise AssertionError(f"{key}: the other value {change} is not valid: {e}") from None
+        direct = {s for s in stages.STAGES if stages.digest(base, s) != stages.digest(edited, s)}
+        declared = set().union(*(stages.readers(k) for k in change))
+        assert direct == declared, (key, direct, declared)
+        reruns = stages.downstream(direct)
+        if key in EXPECTED:
+            assert reruns == EXPECTED[key], (key, sorted(reruns), sorted(EXPECTED[key]))
+
+
+def test_resume_fingerprint_covers_what_train_reads_but_the_safe_keys():
+    keys = set(stages.fingerprint_keys("train"))
+    for key in ("train.lr", "train.betas", "train.seed", "train.warmup_ratio", "train.grad_clip",
+                "train.gamma", "train.num_anchors", "drafter.block_size", "target.model"):  # fmt: skip
+        assert key in keys, key
+    for key in ("train.epochs", "train.max_steps", "train.log_every", "train.checkpoint_every",
+                "train.keep_checkpoints", "devices.train", "extract.codec"):  # fmt: skip
+        assert key not in keys, key
+
+
+def _planned(work, snakefile, config):
+    """The rules a dry run would run (Snakemake's job table), {} when nothing is to be done."""
+    import subprocess
+
+    cmd = [*SNAKEMAKE[:-2], "--snakefile", str(snakefile), "--directory", str(work), "-n",
+           "--configfile", str(config)]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-3000:]
+    if "Nothing to be done" in out:
+        return set()
+    table = out[out.index("Job stats:") :].split("\n\n")[0]
+    return {m.group(1) for m in re.finditer(r"^(\w+)\s+\d+$", table, re.M)} - {"total", "all"}
+
+
+@pytest.mark.slow
+def test_a_copied_run_plans_nothing_and_an_edit_plans_what_it_changes(default_workflow, tmp_path):
+    """The finished default run and the checkout it ran from, both copied elsewhere: the copy
+    plans no job. Then edits in the copy plan exactly their stages: extract.codec no regenerate,
+    drafter.block_size no extract, train.lr train on."""
+    copy = tmp_path / "moved"
+    shutil.copytree(default_workflow, copy / "run", symlinks=True)
+    for part in ("Snakefile", "workflow", "src"):
+        (shutil.copytree if (REPO / part).is_dir() else shutil.copy2)(REPO / part, copy / part)
+    snakefile, work = copy / "Snakefile", copy / "run"
+    raw = yaml.safe_load((work / "small.yaml").read_text())
+    assert _planned(work, snakefile, work / "small.yaml") == set()
+    cases = {
+        "extract.codec": ("fp8-zstd", {"extract_shard", "extract_manifest", "extract", "train",
+                                       "evaluate", "report"}),  # fmt: skip
+        "drafter.block_size": (8, {"train", "evaluate", "report"}),
+        "train.lr": (3.0e-4, {"train", "evaluate", "report"}),
+        "devices.extract": ([0], set()),
+    }
+    for key, (value, want) in cases.items():
+        edited = work / f"{key}.yaml"
+        edited.write_text(yaml.safe_dump(_edited(raw, {key: value})))
+        assert _planned(work, snakefile, edited) == want, key
