@@ -26,8 +26,10 @@ OTHER = {
     "prompts.sources": [{"name": "x", "kind": "jsonl", "path": "x.jsonl"}],
     "prompts.exclude": ["other/train.parquet"],
     "prompts.trim_history": True,
-    "regenerate.samples_per_prompt": {"regenerate.samples_per_prompt": 2,
-                                      "regenerate.temperature": 0.7},  # fmt: skip
+    "regenerate.samples_per_prompt": {
+        "regenerate.samples_per_prompt": 2,
+        "regenerate.temperature": 0.7,
+    },  # fmt: skip
     "regenerate.enable_thinking": False,
     "regenerate.max_prompt_tokens": 100,
     "extract.encode_workers": 3,
@@ -88,7 +90,9 @@ def _other(key, current):
     """A valid value other than `current` for `key` ({key: value, ...} where a partner key must
     change with it)."""
     if key in OTHER:
-        return OTHER[key] if isinstance(OTHER[key], dict) and key != "retrieve" else {key: OTHER[key]}
+        return (
+            OTHER[key] if isinstance(OTHER[key], dict) and key != "retrieve" else {key: OTHER[key]}
+        )
     s = _leaf_schema(key)
     if "enum" in s:
         return {key: next(v for v in s["enum"] if v != current)}
@@ -187,8 +191,10 @@ def test_a_copied_run_plans_nothing_and_an_edit_plans_what_it_changes(default_wo
     raw = yaml.safe_load((work / "small.yaml").read_text())
     assert _planned(work, snakefile, work / "small.yaml") == set()
     cases = {
-        "extract.codec": ("fp8-zstd", {"extract_shard", "extract_manifest", "extract", "train",
-                                       "evaluate", "report"}),  # fmt: skip
+        "extract.codec": (
+            "fp8-zstd",
+            {"extract_shard", "extract_manifest", "extract", "train", "evaluate", "report"},
+        ),  # fmt: skip
         "drafter.block_size": (8, {"train", "evaluate", "report"}),
         "train.lr": (3.0e-4, {"train", "evaluate", "report"}),
         "devices.extract": ([0], set()),
@@ -197,3 +203,12 @@ def test_a_copied_run_plans_nothing_and_an_edit_plans_what_it_changes(default_wo
         edited = work / f"{key}.yaml"
         edited.write_text(yaml.safe_dump(_edited(raw, {key: value})))
         assert _planned(work, snakefile, edited) == want, key
+
+
+def test_readme_rerun_table_is_the_declarations():
+    text = (REPO / "README.md").read_text()
+    start = text.index("<!-- rerun-table")
+    block = text[text.index("-->", start) + 3 : text.index("<!-- /rerun-table -->")]
+    assert block.strip() == stages.rerun_table(), (
+        "README's rerun table: regenerate it from stages.rerun_table()"
+    )

@@ -182,3 +182,25 @@ def digest(cfg: Config, stage: str) -> str:
 
 def hash_values(values: dict) -> str:
     return hashlib.sha256(json.dumps(values, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def rerun_table() -> str:
+    """README's table of what an edit reruns, from the declarations: the schema's leaves grouped
+    by section and by the stages an edit to them reruns; a section's largest group is written
+    `section.*` (with "other" where the section's other groups follow)."""
+    order = list(STAGES)
+    groups: dict[str, dict[tuple[str, ...], list[str]]] = {}
+    for key in schema_leaves():
+        runs = tuple(s for s in order if s in downstream(readers(key)))
+        groups.setdefault(key.split(".")[0], {}).setdefault(runs, []).append(key)
+    rows = ["| an edit to | reruns |", "|---|---|"]
+    for section, by_runs in groups.items():
+        largest = max(by_runs, key=lambda r: len(by_runs[r]))
+        for runs, keys in by_runs.items():
+            if runs == largest and "." in keys[0]:
+                names = f"{'other ' if len(by_runs) > 1 else ''}`{section}.*`"
+            else:
+                names = ", ".join(f"`{k}`" for k in keys)
+            rows.append(f"| {names} | {', '.join(runs) if runs else 'nothing'} |")
+    safe = ", ".join(f"`{k}`" for k in expand(STAGES["train"].resume_safe))
+    return "\n".join(rows) + f"\n\nTrain resumes its checkpoints after edits to {safe} alone."
