@@ -193,7 +193,7 @@ def test_a_copied_run_plans_nothing_and_an_edit_plans_what_it_changes(default_wo
     cases = {
         "extract.codec": (
             "fp8-zstd",
-            {"extract_shard", "extract_manifest", "extract", "train", "evaluate", "report"},
+            {"extract_shard", "extract_manifest", "train", "evaluate", "report"},
         ),  # fmt: skip
         "drafter.block_size": (8, {"train", "evaluate", "report"}),
         "train.lr": (3.0e-4, {"train", "evaluate", "report"}),
