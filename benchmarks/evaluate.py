@@ -49,15 +49,11 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 
-from dflashpipe.engine import Engine
+import dflashpipe.decoding.ddtree  # noqa: F401 (registers the engine's "ddtree" steps)
+from dflashpipe.decoding.eager import DFlashProposer, Target, greedy_decode, speculative_decode
+from dflashpipe.decoding.engine import Engine
+from dflashpipe.decoding.types import Decoded
 from dflashpipe.model import Drafter, DrafterConfig
-from dflashpipe.speculative import (
-    Decoded,
-    DFlashProposer,
-    Target,
-    greedy_decode,
-    speculative_decode,
-)
 
 DRAFTER_LAYERS = 5
 # --smoke: tiny shapes on the CPU that still take every code path (graphs are CUDA-only).
@@ -194,16 +190,16 @@ def profile_step(engine: Engine, kind: str, prompt: list[int], replays: int) -> 
 
     cuda = engine.device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    engine._capture([kind])
+    engine.capture([kind])
     with torch.no_grad():
         engine._prefill(prompt, taps=engine.drafter is not None)
-    engine._run(kind)  # one untimed replay
+    engine.run(kind)  # one untimed replay
     if cuda:
         torch.cuda.synchronize()
     with profile(activities=activities) as prof:
         t = time.perf_counter()
         for _ in range(replays):
-            engine._run(kind)
+            engine.run(kind)
             if cuda:
                 torch.cuda.synchronize()
         wall = (time.perf_counter() - t) / replays

@@ -14,17 +14,18 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from dflashpipe.engine import Engine
-from dflashpipe.extract import LayerTaps
-from dflashpipe.kvcache import StaticDrafter, StaticTarget, attend_cache, fold_mask
-from dflashpipe.lookup import PromptLookupProposer
-from dflashpipe.model import Drafter, DrafterConfig
-from dflashpipe.speculative import (
+import dflashpipe.decoding.ddtree  # noqa: F401 (registers the engine's "ddtree" steps)
+from dflashpipe.decoding.eager import (
     DFlashProposer,
     Target,
     greedy_decode,
     speculative_decode,
 )
+from dflashpipe.decoding.engine import Engine
+from dflashpipe.decoding.lookup import PromptLookupProposer
+from dflashpipe.decoding.static_models import StaticDrafter, StaticTarget, attend_cache, fold_mask
+from dflashpipe.model import Drafter, DrafterConfig
+from dflashpipe.taps import LayerTaps
 
 BLOCK = 4
 TAPS = [0, 1]

@@ -38,13 +38,13 @@ import transformers
 
 from dflashpipe.chat import encode_prompt, end_of_turn_ids
 from dflashpipe.config import TargetConfig
-from dflashpipe.decoders import ENGINES, METHODS, Decoders
+from dflashpipe.decoding.lookup import GRID, OCCURRENCES, SEARCHES, LookupConfig, sweep
+from dflashpipe.decoding.runner import ENGINES, METHODS, Decoders
+from dflashpipe.decoding.summary import best_per_source, summarize
+from dflashpipe.decoding.types import Decoded
 from dflashpipe.errors import ConfigError, DataError
 from dflashpipe.export import CONFIG_NAME, config_from_dict, load_drafter
-from dflashpipe.figures import best_per_source, summarize
-from dflashpipe.lookup import GRID, OCCURRENCES, SEARCHES, LookupConfig, sweep
 from dflashpipe.model import DrafterConfig
-from dflashpipe.speculative import Decoded
 from dflashpipe.storage import write_json
 
 log = logging.getLogger(__name__)

@@ -38,8 +38,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from dflashpipe.decoding.tree_search import draft_candidates
 from dflashpipe.model import Drafter, apply_rope, target_rope_parameters
-from dflashpipe.tree import draft_candidates
 
 SUPPORTED_TARGETS = ("llama", "qwen2", "qwen3")
 # RoPE types whose frequencies change with the sequence length at run time: a table computed once
