@@ -206,19 +206,25 @@ def load_models(target_cfg: TargetConfig, drafter_dir: str | Path, device: torch
     return model, tok, drafter.to(model.dtype).eval()
 
 
-# timed responses per method, float32 ones, the engine used, prompt lookup's sweep replays
-Responses = tuple[
-    dict[str, list[Decoded]], dict[str, list[Decoded]], dict, dict[str, list[Decoded]]
-]
+@dataclass
+class Responses:
+    """What decode_and_check gives for one process's prompts (decode_in_workers: for all)."""
+
+    timed: dict[str, list[Decoded]]  # per method, in the run dtype, timed
+    lossless: dict[
+        str, list[Decoded]
+    ]  # target-only, DFlash, DDTree per budget in float32 ({}: off)
+    engine: dict  # the engine used: Decoders.info()
+    swept: dict[str, list[Decoded]]  # prompt lookup's sweep replays by configuration name, or {}
 
 
 def decode_and_check(
     model, drafter, prompts: list[tuple[dict, list[int]]], ev: EvaluateConfig, stop_ids: set[int],
     worker: str = "",
 ) -> Responses:  # fmt: skip
-    """(timed responses per method in the run dtype, float32 responses of target-only, DFlash
-    and DDTree per budget, the engine used: Decoders.info(), the prompt-lookup sweep's replays
-    on the target-only outputs by configuration name, {} without one)."""
+    """The timed responses per method in the run dtype, the float32 ones of target-only, DFlash
+    and DDTree per budget, the engine used and the prompt-lookup sweep's replays on the
+    target-only outputs (Responses)."""
     n = ev.max_new_tokens
     max_len = max(len(ids) for _, ids in prompts) + n + ev.slack(drafter.config.block_size)
 
@@ -243,10 +249,10 @@ def decode_and_check(
     finally:
         timed.close()
     if not ev.lossless_check:
-        return main, {}, timed.info(), swept
+        return Responses(main, {}, timed.info(), swept)
     checked = [m for m in main if m == "target" or m == "dflash" or m.startswith("ddtree@")]
     if model.dtype == torch.float32:
-        return main, {m: main[m] for m in checked}, timed.info(), swept
+        return Responses(main, {m: main[m] for m in checked}, timed.info(), swept)
     # bf16 rounds a block forward and one-token forwards differently, so near-tied argmaxes
     # flip: losslessness is a float32 property, checked in float32 (a new engine: its buffers
     # and RoPE tables take the model's dtype; the bf16 one is dropped first). Its speed is not
@@ -257,7 +263,9 @@ def decode_and_check(
     drafter.float()
     fp32 = decoders([m for m in ev.methods if m != "prompt_lookup"])
     try:
-        return main, fp32.decode_all(prompts, n, stop_ids, f"float32{worker}"), info, swept
+        return Responses(
+            main, fp32.decode_all(prompts, n, stop_ids, f"float32{worker}"), info, swept
+        )
     finally:
         fp32.close()
 
@@ -310,10 +318,13 @@ def decode_in_workers(
             out[k::workers] = part
         return out
 
-    main = {m: merged([p[0][m] for p in parts]) for m in parts[0][0]}
-    lossless = {m: merged([p[1][m] for p in parts]) for m in parts[0][1]}
-    swept = {c: merged([p[3][c] for p in parts]) for c in parts[0][3]}
-    return main, lossless, parts[0][2], swept  # each process runs the same engine kind
+    first = parts[0]
+    return Responses(
+        timed={m: merged([p.timed[m] for p in parts]) for m in first.timed},
+        lossless={m: merged([p.lossless[m] for p in parts]) for m in first.lossless},
+        engine=first.engine,  # each process runs the same engine kind
+        swept={c: merged([p.swept[c] for p in parts]) for c in first.swept},
+    )
 
 
 def run_info(
@@ -373,18 +384,16 @@ def run(
     log.info("%d prompts on %s in %s, %d worker process(es) (skipped %s)", len(prompts), device,
              run_dtype, min(ev.workers, len(prompts)), dict(skipped))  # fmt: skip
     stop_ids = end_of_turn_ids(tok)
-    main, lossless, engine, swept = decode_in_workers(
-        model, drafter, prompts, ev, stop_ids, target_cfg, drafter_dir
-    )
+    responses = decode_in_workers(model, drafter, prompts, ev, stop_ids, target_cfg, drafter_dir)
     metrics = summarize(
         prompts,
-        main,
-        lossless,
+        responses.timed,
+        responses.lossless,
         cfg.block_size,
         ev.lookup,
         reduced_precision=run_dtype != torch.float32,
-        engine=engine,
-        lookup_sweep=swept or None,
+        engine=responses.engine,
+        lookup_sweep=responses.swept or None,
     )
     metrics |= {"num_prompts": len(prompts), "skipped": dict(skipped), "settings": asdict(ev)}
     metrics |= run_info(target_cfg, drafter_dir, cfg, device, run_dtype)
