@@ -4,8 +4,8 @@
     freed before the next shape; drafter: 5 random layers, block 16)
       prompts   --prompts random prompts, lengths cycling through --prompt-lens; every method
                 decodes the same ones, --new-tokens each, no stop token
-      eager     speculative.py: target-only `greedy_decode`, DFlash `speculative_decode`
-      engine    engine.py, compiled layers + CUDA graphs (--no-compile-too: graphs only,
+      eager     decoding/eager.py: target-only `greedy_decode`, DFlash `speculative_decode`
+      engine    decoding/engine.py, compiled layers + CUDA graphs (--no-compile-too: graphs only,
                 --no-graphs-too: neither): greedy, dflash (draft + verify a block), ddtree@N for
                 N in --budgets (top_k --top-k); prompt lookup's step is a verify of K+1 tokens
       method    one warm-up decode of prompts[0] (the engine captures its graphs there, before

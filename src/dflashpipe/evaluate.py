@@ -2,14 +2,15 @@
 
     eval.parquet ─► num_prompts (round robin over sources) ─► chat template ─► fit to context
       ─► per prompt (`workers` processes side by side, each a slice of the prompts), one
-         engine per process (decoders.py: the static engine, or the eager loop), run dtype:
+         engine per process (decoding/runner.py: the static engine, or the eager loop), run
+         dtype:
            target-only greedy │ DFlash drafter │ DDTree per tree_nodes budget │ prompt lookup
       ─► prompt lookup's grid replayed on this process's target-only outputs; each prompt
          decoded again with its source's best configuration (`prompt_lookup_best`, timed)
       ─► run dtype not float32 (bf16 on GPU): bf16 agreement; target + drafter to float32,
          target-only, DFlash and DDTree decoded again for the lossless check
-      ─► prompt lookup's grid (lookup.py GRID) replayed on the target-only outputs: every
-         configuration's tau per source, the best per source is the baseline
+      ─► prompt lookup's grid (decoding/lookup.py GRID) replayed on the target-only outputs:
+         every configuration's tau per source, the best per source is the baseline
       ─► metrics.json: DFlash's figures at the top level (as before), every method's tau,
          speed and speedup in `methods`, DDTree's per budget in `ddtree`, the engine in `engine`
 

@@ -130,7 +130,8 @@ class MetricsLog:
             ids = [f.samples[i] for i in self.bad_samples.tolist() if i >= 0]
             raise FloatingPointError(
                 f"non-finite loss before step {step}; samples (shard, row): "
-                f"{[(f.shard_names[s.shard], s.row) for s in ids]}; the last good checkpoint is kept"
+                f"{[(f.shard_names[s.shard], s.row) for s in ids]}; "
+                "the last good checkpoint is kept"
             )
 
     def maybe_write(self, step: int, epoch: int, lr: float, validation: dict | None = None) -> None:

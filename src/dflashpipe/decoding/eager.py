@@ -53,7 +53,7 @@ def trim_cache(cache: DynamicCache, length: int) -> None:
 
 class Target:
     """An HF causal LM run on one sequence with a DynamicCache, gathering tapped layer outputs
-    (HF hidden_states[i+1], the same hooks as extract) when `layer_ids` is non-empty."""
+    (HF hidden_states[i+1], the same taps.LayerTaps as extract) when `layer_ids` is non-empty."""
 
     def __init__(self, model: nn.Module, layer_ids: Sequence[int] = ()):
         self.model = model

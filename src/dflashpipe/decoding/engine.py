@@ -32,10 +32,10 @@ on first use (`family(name)`), and they add their step kinds with `add_step` and
 `capture`, `run` and `speculate`. The engine imports no plug-in and reads none of its state.
 
 Outputs equal `eager.greedy_decode` / `eager.speculative_decode(..., DFlashProposer)` up to
-rounding (tests check it token for token in float32): the target (static_models.py) is the HF model's
-own modules and weights, run with its own attention over a static (1, n_kv, max_len, D) cache per
-layer, and the drafter's context keys/values are projected once per accepted row instead of
-every step.
+rounding (tests check it token for token in float32): the target (static_models.py) is the HF
+model's own modules and weights, run with its own attention over a static (1, n_kv, max_len, D)
+cache per layer, and the drafter's context keys/values are projected once per accepted row
+instead of every step.
 """
 
 from __future__ import annotations

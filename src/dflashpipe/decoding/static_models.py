@@ -285,7 +285,7 @@ def check_target(model: nn.Module) -> None:
     if kind not in SUPPORTED_TARGETS:
         raise ValueError(
             f"StaticTarget supports model types {SUPPORTED_TARGETS}, not {kind!r}; "
-            "use the eager loop (speculative.py) for it"
+            "use the eager loop (decoding/eager.py) for it"
         )
     layer_types = set(getattr(tc, "layer_types", None) or ["full_attention"])
     if layer_types != {"full_attention"} or getattr(tc, "sliding_window", None) is not None:
