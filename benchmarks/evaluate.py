@@ -4,8 +4,8 @@
     freed before the next shape; drafter: 5 random layers, block 16)
       prompts   --prompts random prompts, lengths cycling through --prompt-lens; every method
                 decodes the same ones, --new-tokens each, no stop token
-      eager     speculative.py: target-only `greedy_decode`, DFlash `speculative_decode`
-      engine    engine.py, compiled layers + CUDA graphs (--no-compile-too: graphs only,
+      eager     decoding/eager.py: target-only `greedy_decode`, DFlash `speculative_decode`
+      engine    decoding/engine.py, compiled layers + CUDA graphs (--no-compile-too: graphs only,
                 --no-graphs-too: neither): greedy, dflash (draft + verify a block), ddtree@N for
                 N in --budgets (top_k --top-k); prompt lookup's step is a verify of K+1 tokens
       method    one warm-up decode of prompts[0] (the engine captures its graphs there, before
@@ -49,15 +49,11 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 
-from dflashpipe.engine import Engine
+import dflashpipe.decoding.ddtree  # noqa: F401 (registers the engine's "ddtree" steps)
+from dflashpipe.decoding.eager import DFlashProposer, Target, greedy_decode, speculative_decode
+from dflashpipe.decoding.engine import Engine
+from dflashpipe.decoding.types import Decoded
 from dflashpipe.model import Drafter, DrafterConfig
-from dflashpipe.speculative import (
-    Decoded,
-    DFlashProposer,
-    Target,
-    greedy_decode,
-    speculative_decode,
-)
 
 DRAFTER_LAYERS = 5
 # --smoke: tiny shapes on the CPU that still take every code path (graphs are CUDA-only).
@@ -194,16 +190,16 @@ def profile_step(engine: Engine, kind: str, prompt: list[int], replays: int) -> 
 
     cuda = engine.device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    engine._capture([kind])
+    engine.capture([kind])
     with torch.no_grad():
         engine._prefill(prompt, taps=engine.drafter is not None)
-    engine._run(kind)  # one untimed replay
+    engine.run(kind)  # one untimed replay
     if cuda:
         torch.cuda.synchronize()
     with profile(activities=activities) as prof:
         t = time.perf_counter()
         for _ in range(replays):
-            engine._run(kind)
+            engine.run(kind)
             if cuda:
                 torch.cuda.synchronize()
         wall = (time.perf_counter() - t) / replays

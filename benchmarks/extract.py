@@ -30,8 +30,9 @@ from transformers import LlamaConfig, LlamaModel, Qwen3Config, Qwen3Model
 
 from dflashpipe.codecs import prepare
 from dflashpipe.config import Config
-from dflashpipe.extract import Extractor, LayerTaps, forward_taps, truncate_base
+from dflashpipe.extract import Extractor, forward_taps, truncate_base
 from dflashpipe.shards import FeatureShard, ShardInfo
+from dflashpipe.taps import LayerTaps
 
 QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
                 num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,

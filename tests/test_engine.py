@@ -1,4 +1,4 @@
-"""Static-cache engine (engine.py, kvcache.py, ddtree.py): the same logits, tokens and
+"""Static-cache engine (decoding: engine, static_models, ddtree): the same logits, tokens and
 acceptances as the eager loop (float32)."""
 
 import copy
@@ -14,17 +14,18 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from dflashpipe.engine import Engine
-from dflashpipe.extract import LayerTaps
-from dflashpipe.kvcache import StaticDrafter, StaticTarget, attend_cache, fold_mask
-from dflashpipe.lookup import PromptLookupProposer
-from dflashpipe.model import Drafter, DrafterConfig
-from dflashpipe.speculative import (
+import dflashpipe.decoding.ddtree  # noqa: F401 (registers the engine's "ddtree" steps)
+from dflashpipe.decoding.eager import (
     DFlashProposer,
     Target,
     greedy_decode,
     speculative_decode,
 )
+from dflashpipe.decoding.engine import Engine
+from dflashpipe.decoding.lookup import PromptLookupProposer
+from dflashpipe.decoding.static_models import StaticDrafter, StaticTarget, attend_cache, fold_mask
+from dflashpipe.model import Drafter, DrafterConfig
+from dflashpipe.taps import LayerTaps
 
 BLOCK = 4
 TAPS = [0, 1]
@@ -389,8 +390,8 @@ def test_compiled_layers_decode_as_the_eager_ones(llama, drafter, engine):
 
 
 def test_compiled_attention_equals_sdpa_under_a_folded_mask():
-    """The compiled path's plain-op attention (kvcache.attend_cache) against SDPA's, GQA folded,
-    a causal-plus-prefix mask in which padding slots past the valid length stay hidden."""
+    """The compiled path's plain-op attention (static_models.attend_cache) against SDPA's, GQA
+    folded, a causal-plus-prefix mask in which padding slots past the valid length stay hidden."""
     g = torch.Generator().manual_seed(3)
     q = torch.randn(1, 6, 5, 16, generator=g)  # 6 query heads over 2 KV heads, 5 new rows
     k, v = (torch.randn(1, 2, 32, 16, generator=g) for _ in range(2))

@@ -7,13 +7,13 @@ import torch
 from transformers import AutoConfig
 
 from dflashpipe.config import TargetConfig
+from dflashpipe.decoding.summary import ahead_per_source
+from dflashpipe.decoding.types import Decoded
 from dflashpipe.errors import ConfigError, DataError
 from dflashpipe.evaluate import EvaluateConfig, check_fit, read_eval_prompts, run
 from dflashpipe.export import save_drafter
-from dflashpipe.figures import ahead_per_source
 from dflashpipe.model import Drafter, DrafterConfig
 from dflashpipe.prompts import Prompt, prompt_key, write_prompts
-from dflashpipe.speculative import Decoded
 
 BLOCK = 4
 

@@ -13,7 +13,6 @@ from transformers import LlamaConfig, LlamaModel
 from dflashpipe.config import Config
 from dflashpipe.errors import DataError
 from dflashpipe.extract import (
-    LayerTaps,
     forward_taps,
     plan_batches,
     run,
@@ -22,6 +21,7 @@ from dflashpipe.extract import (
 from dflashpipe.prompts import Prompt, prompt_key, write_prompts
 from dflashpipe.regenerate import run as regenerate
 from dflashpipe.shards import FeatureShard, build_manifest, check_manifest, stats_path, verify_shard
+from dflashpipe.taps import LayerTaps
 from dflashpipe.target import load_target
 
 ANSWER = "Sure. " + "This is a longer answer with several words in it. " * 3

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from dflashpipe.lookup import GRID, LookupConfig, PromptLookupProposer, replay, sweep
+from dflashpipe.decoding.lookup import GRID, LookupConfig, PromptLookupProposer, replay, sweep
 
 
 def brute_force(tokens: list[int], prompt_len: int, cfg: LookupConfig) -> list[int]:

@@ -2,14 +2,15 @@
 
     eval.parquet ─► num_prompts (round robin over sources) ─► chat template ─► fit to context
       ─► per prompt (`workers` processes side by side, each a slice of the prompts), one
-         engine per process (decoders.py: the static engine, or the eager loop), run dtype:
+         engine per process (decoding/runner.py: the static engine, or the eager loop), run
+         dtype:
            target-only greedy │ DFlash drafter │ DDTree per tree_nodes budget │ prompt lookup
       ─► prompt lookup's grid replayed on this process's target-only outputs; each prompt
          decoded again with its source's best configuration (`prompt_lookup_best`, timed)
       ─► run dtype not float32 (bf16 on GPU): bf16 agreement; target + drafter to float32,
          target-only, DFlash and DDTree decoded again for the lossless check
-      ─► prompt lookup's grid (lookup.py GRID) replayed on the target-only outputs: every
-         configuration's tau per source, the best per source is the baseline
+      ─► prompt lookup's grid (decoding/lookup.py GRID) replayed on the target-only outputs:
+         every configuration's tau per source, the best per source is the baseline
       ─► metrics.json: DFlash's figures at the top level (as before), every method's tau,
          speed and speedup in `methods`, DDTree's per budget in `ddtree`, the engine in `engine`
 
@@ -29,7 +30,7 @@ import logging
 import platform
 import time
 from collections import Counter, defaultdict
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -38,13 +39,13 @@ import transformers
 
 from dflashpipe.chat import encode_prompt, end_of_turn_ids
 from dflashpipe.config import EvaluateConfig, TargetConfig
-from dflashpipe.decoders import Decoders
+from dflashpipe.decoding.lookup import GRID, LookupConfig, sweep
+from dflashpipe.decoding.runner import Decoders
+from dflashpipe.decoding.summary import best_per_source, summarize
+from dflashpipe.decoding.types import Decoded
 from dflashpipe.errors import ConfigError, DataError
 from dflashpipe.export import CONFIG_NAME, config_from_dict, load_drafter
-from dflashpipe.figures import best_per_source, summarize
-from dflashpipe.lookup import GRID, LookupConfig, sweep
 from dflashpipe.model import DrafterConfig
-from dflashpipe.speculative import Decoded
 from dflashpipe.storage import write_json
 
 log = logging.getLogger(__name__)
@@ -153,19 +154,25 @@ def load_models(target_cfg: TargetConfig, drafter_dir: str | Path, device: torch
     return model, tok, drafter.to(model.dtype).eval()
 
 
-# timed responses per method, float32 ones, the engine used, prompt lookup's sweep replays
-Responses = tuple[
-    dict[str, list[Decoded]], dict[str, list[Decoded]], dict, dict[str, list[Decoded]]
-]
+@dataclass
+class Responses:
+    """What decode_and_check gives for one process's prompts (decode_in_workers: for all)."""
+
+    timed: dict[str, list[Decoded]]  # per method, in the run dtype, timed
+    lossless: dict[
+        str, list[Decoded]
+    ]  # target-only, DFlash, DDTree per budget in float32 ({}: off)
+    engine: dict  # the engine used: Decoders.info()
+    swept: dict[str, list[Decoded]]  # prompt lookup's sweep replays by configuration name, or {}
 
 
 def decode_and_check(
     model, drafter, prompts: list[tuple[dict, list[int]]], ev: EvaluateConfig, stop_ids: set[int],
     worker: str = "",
 ) -> Responses:  # fmt: skip
-    """(timed responses per method in the run dtype, float32 responses of target-only, DFlash
-    and DDTree per budget, the engine used: Decoders.info(), the prompt-lookup sweep's replays
-    on the target-only outputs by configuration name, {} without one)."""
+    """The timed responses per method in the run dtype, the float32 ones of target-only, DFlash
+    and DDTree per budget, the engine used and the prompt-lookup sweep's replays on the
+    target-only outputs (Responses)."""
     n = ev.max_new_tokens
     max_len = max(len(ids) for _, ids in prompts) + n + ev.slack(drafter.config.block_size)
 
@@ -190,10 +197,10 @@ def decode_and_check(
     finally:
         timed.close()
     if not ev.lossless_check:
-        return main, {}, timed.info(), swept
+        return Responses(main, {}, timed.info(), swept)
     checked = [m for m in main if m == "target" or m == "dflash" or m.startswith("ddtree@")]
     if model.dtype == torch.float32:
-        return main, {m: main[m] for m in checked}, timed.info(), swept
+        return Responses(main, {m: main[m] for m in checked}, timed.info(), swept)
     # bf16 rounds a block forward and one-token forwards differently, so near-tied argmaxes
     # flip: losslessness is a float32 property, checked in float32 (a new engine: its buffers
     # and RoPE tables take the model's dtype; the bf16 one is dropped first). Its speed is not
@@ -204,7 +211,9 @@ def decode_and_check(
     drafter.float()
     fp32 = decoders([m for m in ev.methods if m != "prompt_lookup"])
     try:
-        return main, fp32.decode_all(prompts, n, stop_ids, f"float32{worker}"), info, swept
+        return Responses(
+            main, fp32.decode_all(prompts, n, stop_ids, f"float32{worker}"), info, swept
+        )
     finally:
         fp32.close()
 
@@ -257,10 +266,13 @@ def decode_in_workers(
             out[k::workers] = part
         return out
 
-    main = {m: merged([p[0][m] for p in parts]) for m in parts[0][0]}
-    lossless = {m: merged([p[1][m] for p in parts]) for m in parts[0][1]}
-    swept = {c: merged([p[3][c] for p in parts]) for c in parts[0][3]}
-    return main, lossless, parts[0][2], swept  # each process runs the same engine kind
+    first = parts[0]
+    return Responses(
+        timed={m: merged([p.timed[m] for p in parts]) for m in first.timed},
+        lossless={m: merged([p.lossless[m] for p in parts]) for m in first.lossless},
+        engine=first.engine,  # each process runs the same engine kind
+        swept={c: merged([p.swept[c] for p in parts]) for c in first.swept},
+    )
 
 
 def run_info(
@@ -320,18 +332,16 @@ def run(
     log.info("%d prompts on %s in %s, %d worker process(es) (skipped %s)", len(prompts), device,
              run_dtype, min(ev.workers, len(prompts)), dict(skipped))  # fmt: skip
     stop_ids = end_of_turn_ids(tok)
-    main, lossless, engine, swept = decode_in_workers(
-        model, drafter, prompts, ev, stop_ids, target_cfg, drafter_dir
-    )
+    responses = decode_in_workers(model, drafter, prompts, ev, stop_ids, target_cfg, drafter_dir)
     metrics = summarize(
         prompts,
-        main,
-        lossless,
+        responses.timed,
+        responses.lossless,
         cfg.block_size,
         configured_lookup(ev),
         reduced_precision=run_dtype != torch.float32,
-        engine=engine,
-        lookup_sweep=swept or None,
+        engine=responses.engine,
+        lookup_sweep=responses.swept or None,
     )
     metrics |= {"num_prompts": len(prompts), "skipped": dict(skipped), "settings": asdict(ev)}
     metrics |= run_info(target_cfg, drafter_dir, cfg, device, run_dtype)

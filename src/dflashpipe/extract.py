@@ -37,6 +37,7 @@ from dflashpipe.config import Config
 from dflashpipe.errors import ConfigError, DataError
 from dflashpipe.shards import ShardInfo, feature_row, feature_schema, record_batch
 from dflashpipe.storage import ChunkedFile, atomic_path
+from dflashpipe.taps import LayerTaps
 
 log = logging.getLogger(__name__)
 
@@ -60,30 +61,6 @@ def truncate_base(base: nn.Module, deepest: int) -> nn.Module:
     if getattr(base.config, "layer_types", None):
         base.config.layer_types = base.config.layer_types[: deepest + 1]
     return base
-
-
-class LayerTaps:
-    """Forward hooks that keep the outputs of the tapped decoder layers (HF hidden_states[i+1])."""
-
-    def __init__(self, base: nn.Module, layer_ids: list[int]):
-        self.layer_ids = layer_ids
-        self.outputs: dict[int, torch.Tensor] = {}
-        self._handles = [base.layers[i].register_forward_hook(self._hook(i)) for i in layer_ids]
-
-    def _hook(self, i: int):
-        def keep(module, args, output):
-            self.outputs[i] = output[0] if isinstance(output, tuple) else output
-
-        return keep
-
-    def gather(self) -> torch.Tensor:
-        out = torch.cat([self.outputs[i] for i in self.layer_ids], dim=-1)  # (B, T, L*H)
-        self.outputs.clear()
-        return out
-
-    def remove(self) -> None:
-        for h in self._handles:
-            h.remove()
 
 
 @torch.inference_mode()

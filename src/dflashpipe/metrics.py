@@ -1,23 +1,31 @@
 """Training metrics: the FLOPs a step does, and the log that turns device-side sums into JSONL
-rows, the rank-0 progress bar and TensorBoard scalars at log intervals (no host sync between)."""
+rows, the rank-0 progress bar and TensorBoard scalars at log intervals (no host sync between).
+
+    RunFacts (once, from the trainer) ─► MetricsLog ◄─ add(loss, metrics) every micro-batch
+                                            └─ maybe_write(step, epoch, lr) ─► metrics.jsonl,
+                                               progress bar, TensorBoard (log intervals)
+
+The log is told the run's facts and each step's values; it reads nothing of the trainer and
+keeps its own clock (`paused()` leaves validation out of the tokens/s and MFU).
+"""
 
 from __future__ import annotations
 
 import json
 import logging
 import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from dflashpipe.data import Sample
 from dflashpipe.model import DrafterConfig
-
-if TYPE_CHECKING:
-    from dflashpipe.train import Trainer
 
 log = logging.getLogger("dflashpipe.train")
 PEAK_TFLOPS_BF16 = {"H200": 989.0, "H100": 989.0, "A100": 312.0}
@@ -54,32 +62,56 @@ def expected_acceptance(slot_accuracy: list[float]) -> float:
     return float(1 + sum(np.cumprod(slot_accuracy)))
 
 
+@dataclass(frozen=True)
+class RunFacts:
+    """What the log knows of the run, fixed for its length (the trainer gives them once)."""
+
+    run_dir: Path  # metrics.jsonl goes here, TensorBoard beside it
+    rank: int
+    world: int
+    device: torch.device
+    block_size: int
+    start_step: int  # the step training starts (or resumes) from
+    total_steps: int
+    micro_batch_tokens: int  # tokens of one micro-batch on one rank (tokens/s)
+    samples: Sequence[Sample]  # the training samples (a non-finite loss names its own)
+    train_tokens: int  # their tokens, per epoch
+    shard_names: Sequence[str]  # file name of each shard a Sample's `shard` indexes
+
+
 class MetricsLog:
     """Device-side sums of loss and slot metrics, reduced across ranks and written (JSONL, rank 0
     progress bar, TensorBoard if installed) every `every` optimizer steps."""
 
-    def __init__(self, trainer: Trainer, every: int):
-        self.t, self.every = trainer, every
-        self.path = trainer.run_dir / "metrics.jsonl"  # beside the checkpoints: survives retries
-        if trainer.rank == 0:
-            _truncate_metrics(self.path, trainer.step)
+    def __init__(self, facts: RunFacts, every: int):
+        self.facts, self.every = facts, every
+        self.path = facts.run_dir / "metrics.jsonl"  # beside the checkpoints: survives retries
+        if facts.rank == 0:
+            _truncate_metrics(self.path, facts.start_step)
         self.bar = tqdm(
-            total=trainer.total_steps, initial=trainer.step, desc="train", disable=trainer.rank != 0
+            total=facts.total_steps, initial=facts.start_step, desc="train", disable=facts.rank != 0
         )
-        self.tb = (
-            _tensorboard(trainer.run_dir.parent / "tensorboard") if trainer.rank == 0 else None
-        )
+        self.tb = _tensorboard(facts.run_dir.parent / "tensorboard") if facts.rank == 0 else None
         self._reset()
-        self.start = time.perf_counter()
         self.bad_samples: torch.Tensor | None = None
 
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Time spent inside is not training time: left out of tokens/s and MFU (validation)."""
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._paused_s += time.perf_counter() - t0
+
     def _reset(self) -> None:
-        dev, B = self.t.device, self.t.dcfg.block_size
+        dev, B = self.facts.device, self.facts.block_size
         self.loss = torch.zeros((), device=dev)
         self.correct = torch.zeros(B - 1, device=dev)
         self.labels = torch.zeros(B - 1, device=dev)
         self.flops = torch.zeros((), device=dev, dtype=torch.float64)
         self.n = 0
+        self.start, self._paused_s = time.perf_counter(), 0.0
 
     def add(self, loss: torch.Tensor, m: dict) -> None:
         self.loss += loss
@@ -94,35 +126,38 @@ class MetricsLog:
 
     def check_finite(self, step: int) -> None:
         if self.bad_samples is not None and int(self.bad_samples[0]) >= 0:
-            ids = [self.t.samples[i] for i in self.bad_samples.tolist() if i >= 0]
+            f = self.facts
+            ids = [f.samples[i] for i in self.bad_samples.tolist() if i >= 0]
             raise FloatingPointError(
                 f"non-finite loss before step {step}; samples (shard, row): "
-                f"{[(self.t.shards[s.shard].name, s.row) for s in ids]}; the last good checkpoint is kept"
+                f"{[(f.shard_names[s.shard], s.row) for s in ids]}; "
+                "the last good checkpoint is kept"
             )
 
-    def maybe_write(self, step: int, validation: dict | None = None) -> None:
-        """The metrics row of `step` at log intervals, the last step and steps with a held-out
-        measurement (`validation`: Trainer.validate's keys, added to the row)."""
+    def maybe_write(self, step: int, epoch: int, lr: float, validation: dict | None = None) -> None:
+        """The metrics row of `step` (in `epoch`, at learning rate `lr`) at log intervals, the
+        last step and steps with a held-out measurement (`validation`: Trainer.validate's keys,
+        added to the row)."""
+        f = self.facts
         self.bar.update(1)
-        if step % self.every and step < self.t.total_steps and validation is None:
+        if step % self.every and step < f.total_steps and validation is None:
             return
         self.check_finite(step)
         vec = torch.cat([self.loss[None], self.correct, self.labels, self.flops.float()[None]])
-        if self.t.world > 1:
+        if f.world > 1:
             dist.all_reduce(vec)
-        elapsed = time.perf_counter() - self.start
-        B = self.t.dcfg.block_size
+        elapsed = time.perf_counter() - self.start - self._paused_s
+        B = f.block_size
         acc = (vec[1:B] / vec[B : 2 * B - 1].clamp_min(1)).tolist()
-        row = {"step": step, "epoch": self.t.epoch, "loss": vec[0].item() / (self.n * self.t.world),
+        row = {"step": step, "epoch": epoch, "loss": vec[0].item() / (self.n * f.world),
                "slot_accuracy": [round(a, 4) for a in acc], "expected_acceptance": expected_acceptance(acc),
-               "lr": self.t.scheduler.get_last_lr()[0],
-               "tokens_per_s": self.n * self.t.tokens * self.t.world / elapsed,
-               "train_samples": len(self.t.samples), "train_tokens": self.t.train_tokens,
+               "lr": lr, "tokens_per_s": self.n * f.micro_batch_tokens * f.world / elapsed,
+               "train_samples": len(f.samples), "train_tokens": f.train_tokens,
                **(validation or {})}  # fmt: skip
-        peak = _peak_flops(self.t.device)
+        peak = _peak_flops(f.device)
         if peak:
-            row["mfu"] = vec[-1].item() / elapsed / (peak * self.t.world)
-        if self.t.rank == 0:
+            row["mfu"] = vec[-1].item() / elapsed / (peak * f.world)
+        if f.rank == 0:
             with open(self.path, "a") as f:
                 f.write(json.dumps(row) + "\n")
             self.bar.set_postfix(loss=f"{row['loss']:.3f}", tau=f"{row['expected_acceptance']:.2f}",
@@ -133,7 +168,6 @@ class MetricsLog:
                     if k in row:
                         self.tb.add_scalar(k, row[k], step)
         self._reset()
-        self.start = time.perf_counter()
 
     def close(self) -> None:
         self.bar.close()

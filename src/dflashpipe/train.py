@@ -48,7 +48,7 @@ from dflashpipe.errors import DataError
 from dflashpipe.export import save_drafter
 from dflashpipe.launcher import die_with_parent
 from dflashpipe.loss import block_labels, block_soft_targets, default_gamma, dflash_loss
-from dflashpipe.metrics import MetricsLog, expected_acceptance, step_flops
+from dflashpipe.metrics import MetricsLog, RunFacts, expected_acceptance, step_flops
 from dflashpipe.model import FROZEN_PREFIXES, Drafter, DrafterConfig, init_from_target_layers
 from dflashpipe.shards import FeatureShard, check_manifest, verify_shard
 from dflashpipe.stages import ABSENT, fingerprint_keys
@@ -429,8 +429,17 @@ class Trainer:
         metrics["sample_index"] = b["sample_index"]
         return loss.detach(), metrics
 
+    def run_facts(self) -> RunFacts:
+        """What the metrics log is told of this run."""
+        return RunFacts(
+            run_dir=self.run_dir, rank=self.rank, world=self.world, device=self.device,
+            block_size=self.dcfg.block_size, start_step=self.step, total_steps=self.total_steps,
+            micro_batch_tokens=self.tokens, samples=self.samples, train_tokens=self.train_tokens,
+            shard_names=[path.name for path in self.shards],
+        )  # fmt: skip
+
     def train(self) -> None:
-        logger = MetricsLog(self, self.tc.log_every)
+        logger = MetricsLog(self.run_facts(), self.tc.log_every)
         done = self.step >= self.total_steps
         first = FirstStep(self.step, self.device)
         while not done:
@@ -460,10 +469,11 @@ class Trainer:
                 faults.point("train.step")
                 validation = None
                 if self._validate_now():  # its time is not training time (tokens/s, MFU)
-                    t0 = time.perf_counter()
-                    validation = self.validate()
-                    logger.start += time.perf_counter() - t0
-                logger.maybe_write(self.step, validation)
+                    with logger.paused():
+                        validation = self.validate()
+                logger.maybe_write(
+                    self.step, self.epoch, self.scheduler.get_last_lr()[0], validation
+                )
                 if self.step % self.tc.checkpoint_every == 0 or self.step >= self.total_steps:
                     logger.check_finite(self.step)
                     self.save()

@@ -5,17 +5,17 @@ import torch
 
 from dflashpipe.chat import encode_prompt
 from dflashpipe.config import TargetConfig
-from dflashpipe.extract import LayerTaps
-from dflashpipe.lookup import PromptLookupProposer, replay
-from dflashpipe.model import Drafter, DrafterConfig
-from dflashpipe.speculative import (
-    Decoded,
+from dflashpipe.decoding.eager import (
     DFlashProposer,
     Target,
     greedy_decode,
     speculative_decode,
     trim_cache,
 )
+from dflashpipe.decoding.lookup import PromptLookupProposer, replay
+from dflashpipe.decoding.types import Decoded
+from dflashpipe.model import Drafter, DrafterConfig
+from dflashpipe.taps import LayerTaps
 from dflashpipe.target import load_target
 
 BLOCK = 4

@@ -13,7 +13,8 @@
                                 drafter.append(taps, T): all B rows, only the accepted stay valid
                                 n = matched prefix of d vs g;  T += n+1;  anchor = g_n
                                 read back: [n+1, g_0..g_{B-1}]                 (one int tensor)
-    ddtree step   (ddtree.py)   draft top-k -> the tree of `budget` nodes (fixed shape) ->
+    ddtree step   (ddtree.py, a registered step family)
+                                draft top-k -> the tree of `budget` nodes (fixed shape) ->
                                 verify [anchor + nodes] in one forward -> walk -> commit the
                                 matched path's K/V rows, all on the device
                                 read back: [L+1, accepted tokens]              (one int tensor)
@@ -25,26 +26,30 @@ exception: they are copied in). On CUDA each step kind is captured once as a
 CUDA graph over static buffers and replayed; the host reads back one small tensor per step (the
 decision to stop needs it). On the CPU the same step functions run directly.
 
-Outputs equal `speculative.greedy_decode` / `speculative_decode(..., DFlashProposer)` up to
-rounding (tests check it token for token in float32): the target (kvcache.py) is the HF model's
-own modules and weights, run with its own attention over a static (1, n_kv, max_len, D) cache per
-layer, and the drafter's context keys/values are projected once per accepted row instead of
-every step.
+Plug-ins: a module with steps of its own (ddtree.py) registers a step family with
+`Engine.register_steps(name, make)` when imported; an engine makes the family's steps and buffers
+on first use (`family(name)`), and they add their step kinds with `add_step` and decode through
+`capture`, `run` and `speculate`. The engine imports no plug-in and reads none of its state.
+
+Outputs equal `eager.greedy_decode` / `eager.speculative_decode(..., DFlashProposer)` up to
+rounding (tests check it token for token in float32): the target (static_models.py) is the HF
+model's own modules and weights, run with its own attention over a static (1, n_kv, max_len, D)
+cache per layer, and the drafter's context keys/values are projected once per accepted row
+instead of every step.
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Sequence
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
-from dflashpipe.ddtree import TreeSteps
-from dflashpipe.kvcache import StaticDrafter, StaticTarget, compiled
-from dflashpipe.lookup import PromptLookupProposer
+from dflashpipe.decoding.static_models import StaticDrafter, StaticTarget, compiled
+from dflashpipe.decoding.types import Decoded, Proposer, clock, finish
 from dflashpipe.model import Drafter
-from dflashpipe.speculative import Decoded, _clock, _finish
 
 WARMUP_RUNS = 3  # eager runs on a side stream before capture, as the CUDA-graph docs advise
 # Step shapes per compiled layer function: target 1 (greedy), B (verify), budget+1 per DDTree
@@ -57,8 +62,35 @@ class Engine:
     drafter (`dflash`) or with DDTree draft trees (`ddtree`), each step one fixed-shape function over the static state below, replayed
     as a CUDA graph when `graphs` (default: on for CUDA). max_len bounds prompt + new tokens +
     one block of slack; build one engine per (target, drafter, max_len) and reuse it. The
-    models' q/k/v and gate/up weights become views of fused ones (kvcache.fuse_layer): save
-    them before, and build a new engine after a `.float()` or `.to()`."""
+    models' q/k/v and gate/up weights become views of fused ones (static_models.fuse_layer):
+    save them before, and build a new engine after a `.float()` or `.to()`. Step families of
+    plug-ins (DDTree) join through `register_steps` (module docstring)."""
+
+    # name -> make(engine): the plug-in step families every engine can use (register_steps)
+    _registry: ClassVar[dict[str, Callable[[Engine], Any]]] = {}
+
+    @classmethod
+    def register_steps(cls, name: str, make: Callable[[Engine], Any]) -> None:
+        """Register a plug-in's family of step kinds under `name` (ddtree.py registers "ddtree"
+        when imported). `make(engine)` builds the family's step functions and buffers for one
+        engine, on its first use (`family`); the family adds its step kinds with `add_step`."""
+        known = cls._registry.get(name)
+        if known is not None and known is not make:
+            raise ValueError(f"step family {name!r} is registered already, by {known!r}")
+        cls._registry[name] = make
+
+    def family(self, name: str) -> Any:
+        """This engine's instance of the step family registered under `name`, made on first use."""
+        if name not in self._families:
+            make = self._registry.get(name)
+            if make is None:
+                raise ValueError(
+                    f"no step family {name!r} is registered with the engine (registered: "
+                    f"{sorted(self._registry)}); import the module that registers it, e.g. "
+                    "dflashpipe.decoding.ddtree for 'ddtree'"
+                )
+            self._families[name] = make(self)
+        return self._families[name]
 
     def __init__(
         self,
@@ -104,7 +136,7 @@ class Engine:
         self.captures: Counter[str] = Counter()  # graph captures per step kind (once each)
         self._graphs: dict[str, torch.cuda.CUDAGraph] = {}
         self._pool = None
-        self._tree: TreeSteps | None = None  # DDTree steps and buffers, made on first use
+        self._families: dict[str, Any] = {}  # registered step families, made on first use
         self.lookup_drafts: dict[int, torch.Tensor] = {}  # prompt lookup, per K: (K+1,)
         self.lookup_packed: dict[int, torch.Tensor] = {}  # its read-back (K+2,)
 
@@ -124,7 +156,15 @@ class Engine:
         self.drafter.append(states, T)
         self.accept(logits, drafts, None, self.anchor, self.packed, self.length)
 
-    def _run(self, kind: str) -> None:
+    def add_step(self, kind: str, step: Callable[[], None]) -> None:
+        """A new step kind: one fixed-shape function over the static state (graph inputs and
+        outputs), captured once by `capture` when the engine uses graphs."""
+        if kind in self.steps:
+            raise ValueError(f"step kind {kind!r} is registered already")
+        self.steps[kind] = step
+
+    def run(self, kind: str) -> None:
+        """One step of `kind`: its graph replayed, or (no graphs) its function called."""
         if self.graphs:
             self._graphs[kind].replay()
         else:
@@ -134,7 +174,7 @@ class Engine:
         self.length.zero_()
         self.anchor.zero_()
 
-    def _capture(self, kinds: Sequence[str]) -> None:
+    def capture(self, kinds: Sequence[str]) -> None:
         """Capture each step kind once per engine, before any timing. Warm-up runs and capture
         start from T = 0: their cache writes land in slots the next prefill overwrites."""
         if not self.graphs:
@@ -193,17 +233,17 @@ class Engine:
 
     @torch.no_grad()
     def greedy(self, prompt_ids: list[int], max_new_tokens: int, stop_ids: set[int]) -> Decoded:
-        """Target-only greedy decoding, one token per step (as `speculative.greedy_decode`)."""
+        """Target-only greedy decoding, one token per step (as `eager.greedy_decode`)."""
         self._check_fit(len(prompt_ids), max_new_tokens, 0)
-        self._capture(["greedy"])
-        t0 = _clock(self.device)
+        self.capture(["greedy"])
+        t0 = clock(self.device)
         out = [self._prefill(prompt_ids, taps=False)]
-        t1 = _clock(self.device)
+        t1 = clock(self.device)
         while len(out) < max_new_tokens and out[-1] not in stop_ids:
-            self._run("greedy")
+            self.run("greedy")
             out.append(int(self.token))  # the step's one read-back
-        t2 = _clock(self.device)
-        out, reason = _finish(out, max_new_tokens, stop_ids)
+        t2 = clock(self.device)
+        out, reason = finish(out, max_new_tokens, stop_ids)
         return Decoded(out, reason, t1 - t0, t2 - t1)
 
     @torch.no_grad()
@@ -214,9 +254,9 @@ class Engine:
         """The loop every speculative method shares: an eager prefill, then `step(tokens so
         far)` -> (accepted tokens + bonus, drafts proposed) until max_new_tokens or a stop id.
         Callers check the fit and capture their step kinds first."""
-        t0 = _clock(self.device)
+        t0 = clock(self.device)
         out = [self._prefill(prompt_ids, taps)]
-        t1 = _clock(self.device)
+        t1 = clock(self.device)
         accepted_lengths, drafted = [], []
         stopped = out[0] in stop_ids
         while len(out) < max_new_tokens and not stopped:
@@ -225,8 +265,8 @@ class Engine:
             stopped = any(t in stop_ids for t in new)
             accepted_lengths.append(len(new))
             drafted.append(proposed)
-        t2 = _clock(self.device)
-        out, reason = _finish(out, max_new_tokens, stop_ids)
+        t2 = clock(self.device)
+        out, reason = finish(out, max_new_tokens, stop_ids)
         return Decoded(out, reason, t1 - t0, t2 - t1, accepted_lengths, drafted)
 
     @torch.no_grad()
@@ -236,10 +276,10 @@ class Engine:
             raise ValueError("this Engine was built without a drafter; pass drafter= to decode")
         B = self.drafter.block_size
         self._check_fit(len(prompt_ids), max_new_tokens, B)
-        self._capture(["dflash"])
+        self.capture(["dflash"])
 
         def step(_: list[int]) -> tuple[list[int], int]:
-            self._run("dflash")
+            self.run("dflash")
             count, *greedy = self.packed.tolist()  # the step's one read-back
             return greedy[:count], B - 1  # accepted drafts (= the target's tokens), the bonus
 
@@ -248,7 +288,7 @@ class Engine:
     @torch.no_grad()
     def lookup(
         self, prompt_ids: list[int], max_new_tokens: int, stop_ids: set[int],
-        proposer: PromptLookupProposer,
+        proposer: Proposer,
     ) -> Decoded:  # fmt: skip
         """Prompt lookup (as `speculative_decode` with the proposer): the host proposes up to
         K = proposer.num_drafts tokens, padded to K; one fixed-shape verify of K+1 accepts at
@@ -256,7 +296,7 @@ class Engine:
         K = proposer.num_drafts
         self._check_fit(len(prompt_ids), max_new_tokens, K + 1, "anchor + num_drafts")
         kind = self._lookup_kind(K)
-        self._capture(["greedy", kind])
+        self.capture(["greedy", kind])
         proposer.start(list(prompt_ids), None)
         tokens = list(prompt_ids)
 
@@ -264,12 +304,12 @@ class Engine:
             tokens.extend(out[len(tokens) - len(prompt_ids) :])
             drafts = proposer.propose(tokens)[:K]
             if not drafts:
-                self._run("greedy")
+                self.run("greedy")
                 return [int(self.token)], 0
             self.lookup_drafts[K].copy_(
                 torch.tensor([len(drafts)] + drafts + [0] * (K - len(drafts)))
             )
-            self._run(kind)
+            self.run(kind)
             count, *greedy = self.lookup_packed[K].tolist()  # the step's one read-back
             return greedy[:count], len(drafts)
 
@@ -282,7 +322,7 @@ class Engine:
             long = {"dtype": torch.long, "device": self.device}
             self.lookup_drafts[K] = torch.zeros(K + 1, **long)  # [count, d_1..d_K (padded)]
             self.lookup_packed[K] = torch.zeros(K + 2, **long)  # [n+1, g_0..g_K]
-            self.steps[kind] = lambda: self._lookup_step(K)
+            self.add_step(kind, lambda: self._lookup_step(K))
         return kind
 
     def _lookup_step(self, K: int) -> None:
@@ -297,12 +337,10 @@ class Engine:
         self, prompt_ids: list[int], max_new_tokens: int, stop_ids: set[int], budget: int,
         top_k: int,
     ) -> Decoded:  # fmt: skip
-        """DDTree speculative decoding (ddtree.py): per step a best-first tree of `budget`
-        nodes from the drafter's top_k candidates per slot, verified in one target forward."""
-        if self.drafter is None:
-            raise ValueError("this Engine was built without a drafter; pass drafter= to decode")
-        self._tree = self._tree or TreeSteps(self)
-        return self._tree.decode(prompt_ids, max_new_tokens, stop_ids, budget, top_k)
+        """DDTree speculative decoding: per step a best-first tree of `budget` nodes from the
+        drafter's top_k candidates per slot, verified in one target forward. The "ddtree" step
+        family does it (ddtree.py registers it; import that module first)."""
+        return self.family("ddtree").decode(prompt_ids, max_new_tokens, stop_ids, budget, top_k)
 
 
 def accept_chain(

@@ -38,8 +38,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from dflashpipe.decoding.tree_search import draft_candidates
 from dflashpipe.model import Drafter, apply_rope, target_rope_parameters
-from dflashpipe.tree import draft_candidates
 
 SUPPORTED_TARGETS = ("llama", "qwen2", "qwen3")
 # RoPE types whose frequencies change with the sequence length at run time: a table computed once
@@ -285,7 +285,7 @@ def check_target(model: nn.Module) -> None:
     if kind not in SUPPORTED_TARGETS:
         raise ValueError(
             f"StaticTarget supports model types {SUPPORTED_TARGETS}, not {kind!r}; "
-            "use the eager loop (speculative.py) for it"
+            "use the eager loop (decoding/eager.py) for it"
         )
     layer_types = set(getattr(tc, "layer_types", None) or ["full_attention"])
     if layer_types != {"full_attention"} or getattr(tc, "sliding_window", None) is not None:

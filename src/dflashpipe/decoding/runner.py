@@ -1,10 +1,10 @@
 """The decoding methods evaluate compares, on one engine per process and dtype.
 
-    engine: auto ─► engine.check_target(model) passes? ─ yes ─► static Engine (graphs on CUDA)
-                 │                                     └ no ──► eager loop, reason recorded
-    engine: eager ─────────────────────────────────────────────► eager loop
+    engine: auto ─► static_models.check_target(model) passes? ─ yes ─► static Engine (graphs)
+                 │                                           └ no ──► eager loop, reason recorded
+    engine: eager ───────────────────────────────────────────────────► eager loop
 
-    method          static engine                       eager loop (speculative.py)
+    method          static engine                       eager loop (eager.py)
     target          Engine.greedy                       greedy_decode
     dflash          Engine.dflash                       speculative_decode + DFlashProposer
     ddtree@N        Engine.ddtree(N, tree_top_k)        - (no eager tree loop: not run)
@@ -24,17 +24,13 @@ from dataclasses import asdict
 from torch import nn
 from tqdm import tqdm
 
-from dflashpipe.engine import Engine
-from dflashpipe.kvcache import check_target
-from dflashpipe.lookup import LookupConfig, PromptLookupProposer
+import dflashpipe.decoding.ddtree  # noqa: F401 (registers the engine's "ddtree" steps)
+from dflashpipe.decoding.eager import DFlashProposer, Target, greedy_decode, speculative_decode
+from dflashpipe.decoding.engine import Engine
+from dflashpipe.decoding.lookup import LookupConfig, PromptLookupProposer
+from dflashpipe.decoding.static_models import check_target
+from dflashpipe.decoding.types import Decoded
 from dflashpipe.model import Drafter
-from dflashpipe.speculative import (
-    Decoded,
-    DFlashProposer,
-    Target,
-    greedy_decode,
-    speculative_decode,
-)
 
 log = logging.getLogger(__name__)
 

@@ -2,11 +2,11 @@
 
     device state    T = committed length, anchor = last accepted token (engine.py)
     draft           drafter block [anchor, MASK x S] -> per slot 1..S top-k log-probs and ids
-    tree            tree.grow_tree(..., budget): the best `budget` prefixes, fixed shape
+    tree            tree_search.grow_tree(..., budget): the best `budget` prefixes, fixed shape
                     (unreachable ones padded), parents, depths, ancestor matrix
     verify          target([anchor, node tokens]) at positions T + depth, slots T..T+budget,
                     visible = ancestor-or-self -> greedy g_0..g_budget, tapped states
-    walk            tree.walk_static(tree, g) -> rows (B,): root, then the matched node per
+    walk            tree_search.walk_static(tree, g) -> rows (B,): root, then the matched node per
                     depth, repeated past the deepest; L = matched depth
     commit          target K/V of slots T + rows -> slots T..T+B-1 (StaticTarget.commit);
                     drafter.append(states[rows], T); anchor = g[rows[L]]; T += L+1
@@ -17,33 +17,34 @@ on the CPU the same step function runs directly. Rows past the accepted count ar
 (fixed shapes) but lie past T: masked, and overwritten by the next step, as in the DFlash step.
 Every accepted token is the target's own greedy choice after its ancestors, so the output equals
 target-only greedy decoding (up to rounding). An earlier version built the tree on the host from
-the read-back candidates (tree.build_tree, now the reference the device tree is tested against),
-with three graphs and three syncs per step; on an H200 the one-graph step measured the same
-speed, so the syncs were not what a DDTree step cost: the commit was (a gather and a scatter per
-layer buffer; with one buffer for all layers the step fell from 2.10 to 1.46 target steps at 16
-nodes, SmolLM2 shape; benchmarks/RESULTS.md, 2026-12-04).
+the read-back candidates (tree_search.build_tree, now the reference the device tree is tested
+against), with three graphs and three syncs per step; on an H200 the one-graph step measured the
+same speed, so the syncs were not what a DDTree step cost: the commit was (a gather and a
+scatter per layer buffer; with one buffer for all layers the step fell from 2.10 to 1.46 target
+steps at 16 nodes, SmolLM2 shape; benchmarks/RESULTS.md, 2026-12-04).
+
+The engine does not know this module: importing it registers the "ddtree" step family
+(`Engine.register_steps`), which `Engine.ddtree` and the runner use.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import Tensor
 
-from dflashpipe.kvcache import compiled
-from dflashpipe.speculative import Decoded
-from dflashpipe.tree import StaticTree, grow_tree, walk_static
-
-if TYPE_CHECKING:
-    from dflashpipe.engine import Engine
+from dflashpipe.decoding.engine import Engine
+from dflashpipe.decoding.static_models import compiled
+from dflashpipe.decoding.tree_search import StaticTree, grow_tree, walk_static
+from dflashpipe.decoding.types import Decoded
 
 
 class TreeSteps:
-    """The DDTree step functions and static buffers of one Engine (which has a drafter); each
-    (budget, top-k) pair registers its step kind in `engine.steps` on first use."""
+    """The DDTree step functions and static buffers of one Engine (which has a drafter), its
+    "ddtree" step family; each (budget, top-k) pair adds its step kind on first use."""
 
     def __init__(self, engine: Engine):
+        if engine.drafter is None:
+            raise ValueError("this Engine was built without a drafter; pass drafter= to decode")
         self.engine = engine
         self.block_size = engine.drafter.block_size
         self.device = engine.device
@@ -62,7 +63,7 @@ class TreeSteps:
             self.packed[budget, k] = torch.zeros(
                 self.block_size + 1, dtype=torch.long, device=self.device
             )
-            self.engine.steps[kind] = lambda: self._step(budget, k)
+            self.engine.add_step(kind, lambda: self._step(budget, k))
         return kind
 
     def _step(self, budget: int, k: int) -> None:
@@ -112,12 +113,12 @@ class TreeSteps:
         e = self.engine
         self.check_fit(len(prompt_ids), max_new_tokens, budget, k)
         kind = self.kind(budget, k)
-        e._capture([kind])
+        e.capture([kind])
         S = self.block_size - 1
         real = min(budget, sum(k**d for d in range(1, S + 1)))  # nodes a tree holds
 
         def step(_: list[int]) -> tuple[list[int], int]:
-            e._run(kind)
+            e.run(kind)
             count, *accepted = self.packed[budget, k].tolist()  # the step's one read-back
             return accepted[:count], real
 
@@ -134,7 +135,7 @@ def tree_inputs(anchor: Tensor, tree: StaticTree, length: Tensor) -> tuple[Tenso
 
 
 def walk_tree(tree: StaticTree, logits: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """From the verify's logits (n, V): rows (B,) (tree.walk_static on the target's greedy
+    """From the verify's logits (n, V): rows (B,) (tree_search.walk_static on the target's greedy
     tokens), count (1,) = L+1 accepted, and the greedy tokens of those rows (B,)."""
     greedy = logits.argmax(-1)  # (n,)
     rows = walk_static(tree, greedy)  # (B,)
@@ -150,3 +151,6 @@ def finish_step(
     packed[:1].copy_(count)
     packed[1:].copy_(accepted)
     length.add_(count)
+
+
+Engine.register_steps("ddtree", TreeSteps)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from dflashpipe.speculative import Decoded, _finish
+from dflashpipe.decoding.types import Decoded, finish
 
 OCCURRENCES = ("earliest", "latest")
 SEARCHES = ("all", "prompt")
@@ -127,7 +127,7 @@ def replay(
         stopped = any(t in stop_ids for t in new)
         accepted.append(n + 1)
         drafted.append(len(drafts))
-    out, reason = _finish(tokens[P:], max_new_tokens, stop_ids)
+    out, reason = finish(tokens[P:], max_new_tokens, stop_ids)
     return Decoded(out, reason, 0.0, 0.0, accepted, drafted)
 
 

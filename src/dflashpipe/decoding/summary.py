@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from collections import Counter, defaultdict
 
-from dflashpipe.lookup import LookupConfig
-from dflashpipe.speculative import Decoded
+from dflashpipe.decoding.lookup import LookupConfig
+from dflashpipe.decoding.types import Decoded
 
 
 def first_divergence(

@@ -23,96 +23,16 @@ refuses positive lengths). The forward's cache argument is `past_key_values` up 
 from __future__ import annotations
 
 import inspect
-import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Protocol
 
 import torch
 from torch import Tensor, nn
 from transformers import DynamicCache
 
-from dflashpipe.extract import LayerTaps
+from dflashpipe.decoding.types import Decoded, Proposer, clock, finish
 from dflashpipe.masks import build_masks
 from dflashpipe.model import Drafter
-
-
-class Proposer(Protocol):
-    """What the decoding loop needs from a drafter. `layer_ids`: target layers whose states it
-    conditions on (empty: none are gathered); `num_drafts`: the most tokens one step proposes."""
-
-    layer_ids: Sequence[int]
-    num_drafts: int
-
-    def start(self, prompt_ids: list[int], hidden: Tensor | None) -> None: ...
-
-    def propose(self, tokens: list[int]) -> list[int]: ...
-
-    def advance(self, hidden: Tensor | None) -> None: ...
-
-
-@dataclass
-class Decoded:
-    """One response. accepted_lengths / drafted: per verify step (empty for target-only)."""
-
-    output_ids: list[int]
-    finish_reason: str  # "stop" (an end-of-turn id, kept in output_ids) or "length"
-    prefill_s: float
-    decode_s: float
-    accepted_lengths: list[int] = field(default_factory=list)  # drafts accepted + 1 (bonus)
-    drafted: list[int] = field(default_factory=list)  # drafts proposed
-
-    def __post_init__(self) -> None:
-        """The last verify step can accept tokens past the response's end (max_new_tokens, or
-        after a stop id): verified but not delivered, they are not counted. Its count becomes the
-        tokens it delivered, so tau is delivered tokens per step, the same from decoding as from
-        lookup.replay on the output alone. `drafted` stays what was proposed (the work done)."""
-        excess = sum(self.accepted_lengths) - self.decode_tokens
-        if self.accepted_lengths and excess > 0:
-            last = self.accepted_lengths[-1] - excess
-            if last < 1:
-                raise ValueError(
-                    f"verify steps accepted {sum(self.accepted_lengths)} tokens for a response "
-                    f"of {self.decode_tokens} after its first: a step before the last overran it"
-                )
-            self.accepted_lengths[-1] = last
-
-    @property
-    def wall_s(self) -> float:
-        return self.prefill_s + self.decode_s
-
-    @property
-    def tokens_per_s(self) -> float:
-        return len(self.output_ids) / self.wall_s if self.wall_s > 0 else 0.0
-
-    @property
-    def decode_tokens(self) -> int:
-        """Tokens made after the prefill (whose first token every method gets the same way)."""
-        return max(0, len(self.output_ids) - 1)
-
-    @property
-    def decode_tokens_per_s(self) -> float:
-        return self.decode_tokens / self.decode_s if self.decode_s > 0 else 0.0
-
-    @property
-    def acceptance_length(self) -> float | None:
-        """tau: mean accepted tokens (drafts + bonus) per verify step; None without steps."""
-        if not self.accepted_lengths:
-            return None
-        return sum(self.accepted_lengths) / len(self.accepted_lengths)
-
-    def position_counts(self, num_positions: int) -> tuple[list[int], list[int]]:
-        """(accepted, proposed) per draft position 1..num_positions, summed over steps."""
-        accepted = [
-            sum(a - 1 >= k for a in self.accepted_lengths) for k in range(1, num_positions + 1)
-        ]
-        proposed = [sum(d >= k for d in self.drafted) for k in range(1, num_positions + 1)]
-        return accepted, proposed
-
-    def per_position_acceptance(self, num_positions: int) -> list[float | None]:
-        """Share of the steps proposing draft k whose draft k was accepted, k = 1..num_positions."""
-        accepted, proposed = self.position_counts(num_positions)
-        return [a / p if p else None for a, p in zip(accepted, proposed, strict=True)]
+from dflashpipe.taps import LayerTaps
 
 
 def trim_cache(cache: DynamicCache, length: int) -> None:
@@ -133,7 +53,7 @@ def trim_cache(cache: DynamicCache, length: int) -> None:
 
 class Target:
     """An HF causal LM run on one sequence with a DynamicCache, gathering tapped layer outputs
-    (HF hidden_states[i+1], the same hooks as extract) when `layer_ids` is non-empty."""
+    (HF hidden_states[i+1], the same taps.LayerTaps as extract) when `layer_ids` is non-empty."""
 
     def __init__(self, model: nn.Module, layer_ids: Sequence[int] = ()):
         self.model = model
@@ -172,35 +92,21 @@ class Target:
             self.taps.remove()
 
 
-def _clock(device: torch.device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
-
-
-def _finish(out: list[int], max_new_tokens: int, stop_ids: set[int]) -> tuple[list[int], str]:
-    """Cut after the first stop id (kept) or at max_new_tokens."""
-    stop = next((i for i, t in enumerate(out) if t in stop_ids), None)
-    if stop is not None and stop < max_new_tokens:
-        return out[: stop + 1], "stop"
-    return out[:max_new_tokens], "length"
-
-
 @torch.inference_mode()
 def greedy_decode(
     target: Target, prompt_ids: list[int], max_new_tokens: int, stop_ids: set[int]
 ) -> Decoded:
     """Target-only greedy decoding, one token per forward on the same cache and harness."""
     cache = target.new_cache()
-    t0 = _clock(target.device)
+    t0 = clock(target.device)
     logits, _ = target.forward(prompt_ids, cache, last_only=True)
     out = [int(logits[-1].argmax())]
-    t1 = _clock(target.device)
+    t1 = clock(target.device)
     while len(out) < max_new_tokens and out[-1] not in stop_ids:
         logits, _ = target.forward(out[-1:], cache)
         out.append(int(logits[-1].argmax()))
-    t2 = _clock(target.device)
-    out, reason = _finish(out, max_new_tokens, stop_ids)
+    t2 = clock(target.device)
+    out, reason = finish(out, max_new_tokens, stop_ids)
     return Decoded(out, reason, t1 - t0, t2 - t1)
 
 
@@ -220,11 +126,11 @@ def speculative_decode(
             f"{target.layer_ids}"
         )
     cache = target.new_cache()
-    t0 = _clock(target.device)
+    t0 = clock(target.device)
     logits, hidden = target.forward(prompt_ids, cache, hidden=want_hidden, last_only=True)
     tokens = list(prompt_ids) + [int(logits[-1].argmax())]
     proposer.start(list(prompt_ids), hidden)
-    t1 = _clock(target.device)
+    t1 = clock(target.device)
     accepted_lengths, drafted = [], []
     P, stopped = len(prompt_ids), tokens[-1] in stop_ids
     while len(tokens) - P < max_new_tokens and not stopped:
@@ -241,8 +147,8 @@ def speculative_decode(
         stopped = any(t in stop_ids for t in new)
         accepted_lengths.append(n + 1)
         drafted.append(len(drafts))
-    t2 = _clock(target.device)
-    out, reason = _finish(tokens[P:], max_new_tokens, stop_ids)
+    t2 = clock(target.device)
+    out, reason = finish(tokens[P:], max_new_tokens, stop_ids)
     return Decoded(out, reason, t1 - t0, t2 - t1, accepted_lengths, drafted)
 
 

@@ -6,7 +6,14 @@ import math
 import pytest
 import torch
 
-from dflashpipe.tree import DraftTree, build_tree, draft_candidates, grow_tree, walk, walk_static
+from dflashpipe.decoding.tree_search import (
+    DraftTree,
+    build_tree,
+    draft_candidates,
+    grow_tree,
+    walk,
+    walk_static,
+)
 
 
 def candidates(S: int, k: int, seed: int, vocab: int = 50) -> tuple[torch.Tensor, torch.Tensor]:
