@@ -34,16 +34,13 @@ from dflashpipe.model import Drafter
 
 log = logging.getLogger(__name__)
 
-METHODS = ("target", "dflash", "prompt_lookup", "ddtree")
-ENGINES = ("auto", "eager")
-
 
 def tree_method(budget: int) -> str:
     return f"ddtree@{budget}"
 
 
 class Decoders:
-    """One process's decoders of the `methods` (METHODS names; ddtree expands to one method per
+    """One process's decoders of the `methods` (the schema's evaluate.methods; ddtree expands to one method per
     budget of `tree_nodes`) over `model` + `drafter`. `max_len` bounds prompt + new tokens +
     the largest step's slack (the static engine's buffers); `compile`: the engine's (default: on
     with graphs)."""
