@@ -128,14 +128,15 @@ def save_mask_embedding(out_dir: Path, config: DrafterConfig, embedding: Tensor 
     """Write a learned mask embedding as mask_embedding.pt, or remove one an earlier export left
     (served, it would replace the target's mask row the drafter was trained on).
 
-    The layout is the one both engines read (checked in their sources): vLLM's
+    The layout is the one the engines read (checked in their sources): vLLM's
     vllm/model_executor/models/qwen3_dflash.py (DFlashQwen3ForCausalLM._read_mask_embedding)
     torch.loads it with weights_only=True, compares "mask_token_id" with
-    dflash_config.mask_token_id and reshapes "embedding" to (hidden_size,); SGLang's
-    python/sglang/srt/speculative/dflash_worker_v2.py (_maybe_merge_trained_mask_embedding)
-    requires the same two keys and copies "embedding" into the target's embedding row
-    mask_token_id, so it must be a flat (hidden_size,) vector. Both ignore a mask_embedding
-    tensor inside model.safetensors."""
+    dflash_config.mask_token_id and reshapes "embedding" to (hidden_size,), and drops a
+    mask_embedding tensor of model.safetensors when the file is absent; SGLang's
+    python/sglang/srt/speculative/dflash_worker_v2.py (DFlashWorkerV2.
+    _maybe_merge_trained_mask_embedding, in the versions that have it) requires the same two
+    keys and copies "embedding" into the target's embedding row mask_token_id, so it must be a
+    flat (hidden_size,) vector; its draft model's load_weights skips names it does not know."""
     path = out_dir / MASK_EMBEDDING_NAME
     if embedding is None:
         path.unlink(missing_ok=True)

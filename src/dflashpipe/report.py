@@ -211,7 +211,7 @@ def serving(evaluation: dict) -> str:
             notes.append("- its layers mix sliding-window and full attention: vLLM serves such a "
                          "drafter with `VLLM_USE_V2_MODEL_RUNNER=1` only")  # fmt: skip
     if (Path(path) / "mask_embedding.pt").is_file():
-        notes.append("- `mask_embedding.pt` (its learned mask embedding) is read by both engines")
+        notes.append("- `mask_embedding.pt` beside it holds its learned mask embedding")
     return f"""## Serve the drafter
 SGLang:
 ```
