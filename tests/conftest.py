@@ -146,8 +146,9 @@ def cache_dir(path: Path):
 
 @pytest.fixture(scope="session")
 def tiny_target_dir(smollm2_dir, tmp_path_factory) -> Path:
-    """A local HF target: SmolLM2's real tokenizer and chat template on a 2-layer, hidden-64
-    Llama with seeded random weights (fast enough for CPU tests of the target-side stages)."""
+    """A local HF target: SmolLM2's real tokenizer and chat template on a 3-layer, hidden-64
+    Llama with seeded random weights (fast enough for CPU tests of the target-side stages; taps
+    [0, 1] leave out its last layer, which no drafter may tap: layout.check_taps)."""
 
     def build(out: Path) -> None:
         import torch
@@ -160,7 +161,7 @@ def tiny_target_dir(smollm2_dir, tmp_path_factory) -> Path:
         )
         tok.save_pretrained(out)
         config = LlamaConfig(
-            vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=3,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
             bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, tie_word_embeddings=True,
         )  # fmt: skip

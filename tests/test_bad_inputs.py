@@ -209,6 +209,79 @@ def _(env):
     )
 
 
+@case(
+    "config-topk-vocab-preflight",
+    "config",
+    "extract.topk larger than the target's vocabulary, before any job (check-config)",
+    r"extract\.topk 100000 is larger than the vocabulary of target .* \(49152 tokens\)",
+)
+def _(env):
+    return check_config(env, env.raw(extract={"topk": 100000}))
+
+
+@case(
+    "config-taps-last-layer",
+    "config",
+    "a tap on the target's last layer (served features differ from HF's hidden_states[N])",
+    r"drafter\.target_layer_ids \[0, 2\] taps layer 2, the last of the 3 decoder layers of "
+    r"target .*: HF's hidden_states\[3\] is after the final norm",
+)
+def _(env):
+    return check_config(env, env.raw(drafter={"target_layer_ids": [0, 2]}))
+
+
+@case(
+    "config-taps-outside",
+    "config",
+    "a tap outside the target",
+    r"drafter\.target_layer_ids \[0, 5\]: \[5\] outside the 3 decoder layers of target .*; "
+    r"expected layer indices 0\.\.1",
+)
+def _(env):
+    return check_config(env, env.raw(drafter={"target_layer_ids": [0, 5]}))
+
+
+@case(
+    "config-mask-vocab",
+    "config",
+    "drafter.mask_token_id outside the target's vocabulary",
+    r"drafter\.mask_token_id 50000 is outside the vocabulary of target .* \(49152 tokens\)",
+)
+def _(env):
+    return check_config(env, env.raw(drafter={"mask_token_id": 50000}))
+
+
+@case(
+    "config-window-train-length",
+    "config",
+    "a sliding window larger than the training length",
+    r"drafter\.sliding_window 300 is larger than train\.max_length 256",
+)
+def _(env):
+    return check_config(env, env.raw(drafter={"sliding_window": 300, "num_layers": 2}))
+
+
+@case(
+    "config-window-one-layer",
+    "config",
+    "a sliding window on a one-layer drafter (its last layer keeps full attention)",
+    r"drafter\.sliding_window 64 with drafter\.num_layers 1",
+)
+def _(env):
+    return check_config(env, env.raw(drafter={"sliding_window": 64}))
+
+
+@case(
+    "extract-taps-last-layer",
+    "config",
+    "a tap on the last layer, met by the stage that loads the target (not on disk at the start)",
+    r"drafter\.target_layer_ids \[1, 2\] taps layer 2, the last of the 3 decoder layers",
+)
+def _(env):
+    config = env.config(drafter={"target_layer_ids": [1, 2]})
+    return extract_run(env, config, env.features["dir"] / "seq-0.parquet")
+
+
 @case("config-missing-target", "config", "no target.model", r"target: 'model' is missing")
 def _(env):
     raw = env.raw()
@@ -548,7 +621,7 @@ def _export(env: Env, edit: Callable[[dict], None]) -> tuple[Callable, list[Path
     "drafter-layers",
     "drafter exports",
     "target_layer_ids beyond the target's layers",
-    r"target_layer_ids \[0, 9\] must be non-empty layer indices of the 2-layer target",
+    r"target_layer_ids \[0, 9\] must be non-empty layer indices of the 3-layer target",
 )
 def _(env):
     return _export(env, lambda c: c["dflash_config"].update(target_layer_ids=[0, 9]))

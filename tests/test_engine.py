@@ -403,3 +403,26 @@ def test_compiled_attention_equals_sdpa_under_a_folded_mask():
     k[:, :, 25:] = 1e4  # slots no row sees: a leak would move every output
     for fn in (attend_cache, compiled):
         torch.testing.assert_close(fn(q, k, v, mask, 0.3), want)
+
+
+def test_a_windowed_drafter_proposes_as_the_eager_one_past_its_window(llama):
+    """drafter.sliding_window alone (the window on every layer but the last) over 40 positions of
+    context, 8 times its window: at every step the static engine's slot logits are the eager
+    proposer's (float32)."""
+    drafter = make_drafter(llama, num_layers=3, seed=3, sliding_window=5)
+    assert [layer.self_attn.sliding_window for layer in drafter.layers] == [5, 5, None]
+    g = torch.Generator().manual_seed(1)
+    states = torch.randn(40, 2 * SIZES["hidden_size"], generator=g)
+    proposer, static = DFlashProposer(drafter), StaticDrafter(drafter, 64)
+    for start, end in [(0, 10), (10, 17), (17, 29), (29, 40)]:  # accepted runs of several lengths
+        if start == 0:
+            proposer.start([0] * end, states[:end])
+        else:
+            proposer.advance(states[start:end])
+        static.append(states[start:end], start)
+        anchor, length = torch.tensor([7 * end]), torch.tensor([end])
+        with torch.inference_mode():
+            expected = drafter.lm_head(proposer.block_states(7 * end))[1:]  # (B-1, V)
+            got = drafter.lm_head(drafter.norm(static.block_rows(anchor, length))[1:])
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
+        assert static.propose(anchor, length).tolist() == expected.argmax(-1).tolist()

@@ -225,8 +225,8 @@ def test_worker_processes_give_the_same_responses(
 @pytest.mark.parametrize(
     "overrides, field, values",
     [
-        ({"num_hidden_layers": 8}, "num_target_layers", ("8", "2")),
-        ({"num_hidden_layers": 8, "target_layer_ids": [1, 5]}, "target_layer_ids", ("[1, 5]", "2")),
+        ({"num_hidden_layers": 8}, "num_target_layers", ("8", "3")),
+        ({"num_hidden_layers": 8, "target_layer_ids": [1, 5]}, "target_layer_ids", ("[1, 5]", "3")),
         ({"hidden_size": 32}, "hidden_size", ("32", "64")),
         ({"vocab_size": 1000}, "vocab_size", ("1000", "vocab_size is 1000 in the drafter but")),
     ],

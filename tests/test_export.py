@@ -15,7 +15,9 @@ V, H, MASK = 96, 32, 95
 SCALED_ROPE = {"rope_type": "linear", "factor": 2.0, "rope_theta": 20000.0}
 
 
-def drafter(learned_mask: bool = False) -> Drafter:
+def drafter(learned_mask: bool = False, **layout) -> Drafter:
+    """Two layers, the first with a window of 5; `layout` overrides num_layers, layer_types and
+    sliding_window."""
     target = LlamaConfig(
         num_hidden_layers=8,
         hidden_size=H,
@@ -25,14 +27,14 @@ def drafter(learned_mask: bool = False) -> Drafter:
         intermediate_size=48,
         rope_parameters=dict(SCALED_ROPE),
     )
+    kw = dict(num_layers=2, layer_types=["sliding_attention", "full_attention"], sliding_window=5)
     config = DrafterConfig.from_target(
         target,
         mask_token_id=MASK,
-        num_layers=2,
         block_size=4,
-        layer_types=["sliding_attention", "full_attention"],
-        sliding_window=5,
+        target_layer_ids=[1, 5],
         learned_mask_embedding=learned_mask,
+        **(kw | layout),
     )
     torch.manual_seed(0)
     d = Drafter(config, torch.randn(V, H), torch.randn(V, H))
@@ -111,15 +113,40 @@ def test_bf16_export_loads_as_the_bf16_model(tmp_path):
     assert torch.equal(forward(loaded), forward(d.to(torch.bfloat16)))
 
 
+def test_a_window_from_drafter_sliding_window_round_trips(tmp_path):
+    """sliding_window alone (no layer_types): every layer but the last slides, in the config the
+    engines read, and the loaded drafter has the same layers and outputs."""
+    d = drafter(num_layers=3, layer_types=None, sliding_window=3)
+    save_drafter(d, tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["layer_types"] == ["sliding_attention", "sliding_attention", "full_attention"]
+    assert (cfg["use_sliding_window"], cfg["sliding_window"]) == (True, 3)
+    loaded = load_drafter(tmp_path, d.embed_tokens.weight, d.lm_head.weight)
+    assert loaded.config.layer_types == d.config.layer_types
+    assert [layer.self_attn.sliding_window for layer in loaded.layers] == [3, 3, None]
+    assert torch.equal(forward(loaded), forward(d))
+    full = drafter(num_layers=3, layer_types=None, sliding_window=None)
+    full.load_state_dict(d.state_dict())
+    assert not torch.equal(forward(full), forward(d))  # the window is in the served drafter
+
+
 def test_learned_mask_embedding_is_saved_only_when_learned(tmp_path):
     d = drafter(learned_mask=True)
     with torch.no_grad():
         d.mask_embedding.add_(1.0)
-    save_drafter(d, tmp_path)
+    save_drafter(d, tmp_path, dtype=torch.bfloat16)
     with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
         assert set(f.keys()) == expected_names(2) | {"mask_embedding"}
     loaded = load_drafter(tmp_path, d.embed_tokens.weight, d.lm_head.weight)
-    assert torch.equal(forward(loaded), forward(d))
+    assert torch.equal(forward(loaded), forward(d.to(torch.bfloat16)))
+    # and where SGLang and vLLM read it: torch.load(weights_only=True), a flat (H,) vector
+    state = torch.load(tmp_path / "mask_embedding.pt", weights_only=True)
+    assert set(state) == {"embedding", "mask_token_id"}
+    assert type(state["mask_token_id"]) is int and state["mask_token_id"] == MASK
+    assert state["embedding"].shape == (H,) and state["embedding"].dtype == torch.bfloat16
+    assert torch.equal(state["embedding"], d.mask_embedding.detach())
+    save_drafter(drafter(), tmp_path)  # a drafter without one, exported over it
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.json", "model.safetensors"]
 
 
 def test_missing_or_foreign_files_are_named(tmp_path):

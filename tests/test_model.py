@@ -307,3 +307,42 @@ def test_init_from_target_layers_copies_the_last_layers(family):
     too_many = DrafterConfig.from_target(target.config, mask_token_id=MASK, num_layers=7)
     with pytest.raises(ConfigError, match="num_layers <= the target's 6 layers, got 7"):
         init_from_target_layers(Drafter.from_target_model(too_many, target), target)
+
+
+def windowed(window: int | None, seed: int = 0) -> Drafter:
+    """A 3-layer drafter with `window` (by the rule: every layer but the last) and the weights
+    of `seed`, the same for every window."""
+    config = DrafterConfig.from_target(
+        tiny_target(),
+        mask_token_id=MASK,
+        num_layers=3,
+        block_size=4,
+        target_layer_ids=[1, 3],
+        sliding_window=window,
+    )
+    g = torch.Generator().manual_seed(seed)
+    embed, head = torch.randn(V, H, generator=g), torch.randn(V, H, generator=g) * 0.2
+    torch.manual_seed(seed)
+    return Drafter(config, embed, head)
+
+
+def test_the_window_cuts_context_only_where_it_is_longer():
+    """Same weights, windows 6 and 1000: a block whose context fits in 6 positions gets the same
+    output, one with 30 positions of context does not; full attention differs from both (its
+    blocks are also bidirectional, not causal)."""
+    assert windowed(6).config.layer_types == ["sliding_attention"] * 2 + ["full_attention"]
+    assert windowed(None).config.layer_types == ["full_attention"] * 3
+    g = torch.Generator().manual_seed(1)
+    stream = {
+        "input_ids": torch.randint(0, MASK, (40,), generator=g),
+        "target_hidden": torch.randn(40, 2 * H, generator=g),
+        "position_ids": torch.arange(40),
+        "document_ids": torch.zeros(40, dtype=torch.long),
+    }
+    outs = {}
+    for window in (6, 1000, None):
+        with torch.no_grad():
+            outs[window] = run(windowed(window), stream, [2, 30])  # (2 blocks, B, H)
+    torch.testing.assert_close(outs[6][0], outs[1000][0])  # context 0..1: inside both windows
+    assert (outs[6][1] - outs[1000][1]).abs().max() > 1e-3  # context 0..29: cut at 6
+    assert (outs[None][0] - outs[1000][0]).abs().max() > 1e-3

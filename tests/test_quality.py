@@ -1,6 +1,6 @@
 """benchmarks/quality.py, the quality benchmark's driver, on the CPU with tiny sizes: the recipe
 (configs/smollm2-sharegpt.yaml: its retrieved ShareGPT, HumanEval and code wheels, its stages and
-overlays) runs end to end on the tiny target (SmolLM2's tokenizer, 2 layers: the driver is under
+overlays) runs end to end on the tiny target (SmolLM2's tokenizer, 3 layers: the driver is under
 test, not the model; the real SmolLM2 runs in test_workflow), a variant reuses the main run's
 finished stages instead of redoing them, and the summary table reports both."""
 
@@ -22,7 +22,7 @@ TINY = {
     "prompts": {"max_train": 8},
     "regenerate": {"shards": 1, "batch_size": 4, "max_new_tokens": 8, "save_every": 4},
     "extract": {"max_length": 512, "token_budget": 4096},
-    "drafter": {"num_layers": 1, "target_layer_ids": [0, 1]},  # the tiny target has 2 layers
+    "drafter": {"num_layers": 1, "target_layer_ids": [0, 1]},  # the tiny target has 3 layers
     "train": {"max_steps": 2, "micro_batch_tokens": 512, "num_anchors": 32, "tokens_per_step": None,
               "log_every": 1, "num_workers": 1, "val_samples": 2},
     "evaluate": {"num_prompts": 2, "max_new_tokens": 8, "workers": 1, "tree_nodes": [4]},

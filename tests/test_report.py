@@ -144,3 +144,32 @@ def test_an_unchecked_run_says_so(tmp_path):
     run(*inputs, str(tmp_path / "plots"), str(tmp_path / "report.md"))
     md = (tmp_path / "report.md").read_text()
     assert "lossless fraction (float32): not checked (evaluate.lossless_check: false)" in md
+
+
+def test_the_serving_lines_are_this_runs(tmp_path, monkeypatch):
+    """The README's launch lines with this run's target, drafter directory and block size, and
+    vLLM's num_speculative_tokens one less (it does not read block_size)."""
+    monkeypatch.chdir(tmp_path)  # the recorded drafter path is relative to the run's directory
+    drafter = tmp_path / "results" / "drafter"
+    drafter.mkdir(parents=True)
+    layers = ["sliding_attention", "full_attention"]
+    (drafter / "config.json").write_text(json.dumps({"block_size": 8, "layer_types": layers}))
+    (drafter / "mask_embedding.pt").write_bytes(b"")
+    paths = _inputs(tmp_path)
+    target = "resources/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+    info = {"drafter": {"path": "results/drafter", "block_size": 8}, "target": target}
+    (tmp_path / "eval.json").write_text(json.dumps(EVAL | info))
+    run(*paths, "results/report", "results/report.md")
+    md = (tmp_path / "results" / "report.md").read_text()
+    serve = md[md.index("## Serve the drafter") :]
+    assert f"python -m sglang.launch_server --model-path {target}" in serve
+    assert "--speculative-algorithm DFLASH --speculative-draft-model-path results/drafter" in serve
+    assert "--speculative-num-draft-tokens 8\n" in serve
+    assert (
+        f'vllm serve {target} --speculative-config \'{{"method": "dflash", "model": '
+        '"results/drafter", "num_speculative_tokens": 7}\'' in serve
+    )
+    assert "VLLM_USE_V2_MODEL_RUNNER=1" in serve and "mask_embedding.pt" in serve
+    (tmp_path / "eval.json").write_text(json.dumps(EVAL))  # metrics without a drafter record
+    run(*paths, "results/report", "results/report.md")
+    assert "Serve the drafter" not in (tmp_path / "results" / "report.md").read_text()

@@ -68,11 +68,11 @@ def test_drafter_can_start_from_the_targets_last_layers(tmp_path, tiny_features,
     mine = load_file(out / "drafter" / "model.safetensors")
     theirs = load_file(tiny_target_dir / "model.safetensors")
     for name in ("self_attn.q_proj.weight", "mlp.gate_proj.weight", "input_layernorm.weight"):
-        a, b = mine[f"layers.0.{name}"], theirs[f"model.layers.1.{name}"]
+        a, b = mine[f"layers.0.{name}"], theirs[f"model.layers.2.{name}"]
         assert torch.allclose(a.float(), b.to(a.dtype).float(), atol=1e-6), name  # export dtype
     norm = mine["norm.weight"]
     assert torch.allclose(norm.float(), theirs["model.norm.weight"].to(norm.dtype).float())
-    assert not torch.allclose(  # the other layer of the target is not the one taken
+    assert not torch.allclose(  # another layer of the target is not the one taken
         mine["layers.0.mlp.gate_proj.weight"].float(), theirs["model.layers.0.mlp.gate_proj.weight"]
     )
 
@@ -604,3 +604,18 @@ def test_dropout_and_weight_decay_regularize_training_only(tmp_path, tiny_featur
     raw["train"].update(dropout=1.0)
     with pytest.raises(ConfigError, match="dropout"):
         Config.from_dict(raw)
+
+
+def test_drafter_sliding_window_is_trained_and_exported(tmp_path, tiny_features):
+    """drafter.sliding_window from the config: the drafter trains with it on every layer but the
+    last and the export tells serving engines so."""
+    raw = json.loads(json.dumps(tiny_features["raw"]))
+    raw["drafter"].update(num_layers=2, sliding_window=16)
+    raw["train"].update(max_steps=2)
+    config = write_yaml(tmp_path / "window.yaml", raw)
+    out = tmp_path / "window"
+    launch(str(config), str(tiny_features["manifest"]), str(out / "run"), str(out / "drafter"),
+           str(out / "metrics.jsonl"))  # fmt: skip
+    cfg = json.loads((out / "drafter" / "config.json").read_text())
+    assert cfg["layer_types"] == ["sliding_attention", "full_attention"]
+    assert (cfg["sliding_window"], cfg["use_sliding_window"]) == (16, True)

@@ -38,6 +38,29 @@ def test_broken_config_refused_with_key(tmp_path):
     assert "unknown key(s) ['codecs']" in done.stdout + done.stderr
 
 
+@pytest.mark.parametrize(
+    "section, key, value, message",
+    [
+        ("drafter", "target_layer_ids", [1, 14, 29], "drafter.target_layer_ids [1, 14, 29] "
+         "taps layer 29, the last of the 30 decoder layers"),
+        ("extract", "topk", 1000000, "extract.topk 1000000 is larger than the vocabulary of "
+         "target resources/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf (49152 tokens)"),
+    ],
+)  # fmt: skip
+def test_what_the_target_refuses_is_refused_before_any_job(
+    smollm2_dir, tmp_path, section, key, value, message
+):
+    """With the target on disk (here the default's GGUF), the workflow refuses at its start what
+    extract would refuse after regenerate ran: no job is planned, nothing is written."""
+    raw = yaml.safe_load((REPO / "config.yaml").read_text())
+    raw[section][key] = value
+    bad = write_yaml(tmp_path / "bad.yaml", raw)
+    (tmp_path / "resources").symlink_to(REPO / "resources")
+    done = snakemake(tmp_path, "-n", "--configfile", str(bad), check=False)
+    assert done.returncode != 0 and message in done.stdout + done.stderr
+    assert not (tmp_path / "results").exists()
+
+
 def test_style_ruff_and_snakefmt():
     subprocess.run([sys.executable, "-m", "ruff", "check", str(REPO)], check=True, cwd=REPO)
     subprocess.run(

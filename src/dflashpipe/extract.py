@@ -34,7 +34,7 @@ from tqdm import tqdm
 from dflashpipe import faults
 from dflashpipe.codecs import pack, pack_topk, prepare
 from dflashpipe.config import Config
-from dflashpipe.errors import ConfigError, DataError
+from dflashpipe.errors import DataError
 from dflashpipe.shards import ShardInfo, feature_row, feature_schema, record_batch
 from dflashpipe.storage import ChunkedFile, atomic_path
 from dflashpipe.taps import LayerTaps
@@ -294,38 +294,20 @@ class Extractor:
 
 
 def layer_ids_for(cfg: Config, num_target_layers: int) -> list[int]:
-    from dflashpipe.model import default_target_layer_ids
+    from dflashpipe.layout import check_taps, default_target_layer_ids
+    from dflashpipe.preflight import target_name
 
     ids = cfg.drafter.target_layer_ids or default_target_layer_ids(
         num_target_layers, cfg.drafter.num_target_layers
     )
-    bad = [i for i in ids if not 0 <= i < num_target_layers]
-    if bad:
-        raise DataError(
-            f"drafter.target_layer_ids {bad} outside the target's {num_target_layers} layers"
-        )
+    check_taps(ids, num_target_layers, "drafter.target_layer_ids", target_name(cfg.target))
     return list(ids)
-
-
-def check_topk(cfg: Config) -> None:
-    """Refuse an extract.topk beyond the target's vocabulary, from its config alone (before a
-    device is taken or weights are loaded)."""
-    from dflashpipe.target import load_target_config
-
-    k = cfg.extract.topk
-    if not k:
-        return
-    vocab = load_target_config(cfg.target).get_text_config().vocab_size
-    if k > vocab:
-        raise ConfigError(
-            f"extract.topk {k} is larger than the vocabulary of target {cfg.target.model!r} "
-            f"({vocab} tokens); expected at most {vocab}, or 0 for no soft targets"
-        )
 
 
 def run(cfg: Config, sequences: str, shard: int, out: str) -> None:
     """Write one feature shard (and its .stats.json) from one sequences shard."""
     from dflashpipe.devices import stage_device
+    from dflashpipe.preflight import check_before_loading
     from dflashpipe.shards import stats_path
     from dflashpipe.storage import write_json
     from dflashpipe.target import load_target, target_identity
@@ -335,7 +317,7 @@ def run(cfg: Config, sequences: str, shard: int, out: str) -> None:
         log.info("%s is complete; not redone", out_path)
         return
     ex = cfg.extract
-    check_topk(cfg)
+    check_before_loading(cfg)  # taps, topk, mask id: before a device is taken or weights load
     with stage_device(cfg.devices.extract, shard, "devices.extract") as device:
         # soft targets come out of the LM head: the whole causal LM, not just the base model
         model, tok = load_target(cfg.target, device, base_only=not ex.topk)

@@ -27,19 +27,13 @@ from transformers.models.qwen3.modeling_qwen3 import (
     rotate_half,
 )
 
+from dflashpipe import layout
 from dflashpipe.errors import ConfigError
+from dflashpipe.layout import default_target_layer_ids
 from dflashpipe.masks import Mask, attend, build_masks
 
-LAYER_TYPES = ("full_attention", "sliding_attention")
+LAYER_TYPES = (layout.FULL, layout.SLIDING)
 FROZEN_PREFIXES = ("embed_tokens.", "lm_head.")
-
-
-def default_target_layer_ids(num_target_layers: int, num_taps: int) -> list[int]:
-    """Taps spread over layers 1..N-3 as in the published drafters: round(1 + i*(N-4)/(L-1))."""
-    if num_taps == 1:
-        return [num_target_layers // 2]
-    span = num_target_layers - 4
-    return [round(1 + i * span / (num_taps - 1)) for i in range(num_taps)]
 
 
 def target_context(hidden_states: Sequence[Tensor], target_layer_ids: Sequence[int]) -> Tensor:
@@ -68,7 +62,7 @@ class DrafterConfig:
     num_layers: int = 5
     block_size: int = 16
     target_layer_ids: list[int] | None = None  # None: default_target_layer_ids(N, num_layers)
-    layer_types: list[str] | None = None  # None: all full_attention
+    layer_types: list[str] | None = None  # None: layout.layer_types (window on all but the last)
     sliding_window: int | None = None
     learned_mask_embedding: bool = False  # opt-in; published loaders use the target's row
 
@@ -78,7 +72,7 @@ class DrafterConfig:
                 self.num_target_layers, self.num_layers
             )
         if self.layer_types is None:
-            self.layer_types = ["full_attention"] * self.num_layers
+            self.layer_types = layout.layer_types(self.num_layers, self.sliding_window)
         self.target_layer_ids = list(self.target_layer_ids)
         self.layer_types = list(self.layer_types)
         self.rope_parameters = dict(self.rope_parameters)

@@ -331,6 +331,7 @@ def run(
 ) -> bool:
     """Write one sequences shard; return False if stopped early by `max_batches` (resumable)."""
     from dflashpipe.devices import stage_device
+    from dflashpipe.preflight import check_before_loading
     from dflashpipe.target import load_target, load_tokenizer, target_identity
 
     out_path = Path(out)
@@ -338,6 +339,10 @@ def run(
         PartStore(out_path).clear()  # a kill between the final rename and the cleanup
         log.info("%s is complete; not redone", out_path)
         return True
+    # What extract and train would refuse (a tap on the last layer, topk beyond the vocabulary),
+    # refused before the costliest stage: on a first run the target was not on disk at the
+    # workflow's start, so common.smk could not check it.
+    check_before_loading(cfg)
     gen = cfg.regenerate
     rows = shard_rows(Path(prompts_path), shard, gen.shards)
     budget = cfg.extract.max_length

@@ -6,6 +6,7 @@
                           (a row per method and per DDTree budget)
                         ─► ddtree.png (tau and speedup vs tree budget; when DDTree ran)
     prompts/stats.json, features/manifest.json ─► data section of report.md
+    eval/metrics.json's drafter and target     ─► SGLang and vLLM launch lines for this drafter
 
 The rule marks the outputs with Snakemake's `report()`, so `snakemake --report report.html`
 gathers them into one page.
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 from pathlib import Path
 
 import matplotlib
@@ -190,6 +192,40 @@ def _engine(evaluation: dict) -> str:
     return f"\n- engine: {engine['kind']}{graphs}{reason}"
 
 
+def serving(evaluation: dict) -> str:
+    """The README's "Serve the drafter" launch lines filled in for this run's drafter and target
+    (paths as evaluate recorded them, relative to the run's directory); '' for metrics written
+    before they recorded the drafter. vLLM does not read block_size from the drafter's
+    config.json: num_speculative_tokens must be block_size - 1, or it drafts a length the drafter
+    never trained on, without an error."""
+    drafter, target = evaluation.get("drafter"), evaluation.get("target")
+    if not drafter or not target:
+        return ""
+    path, block = drafter["path"], drafter["block_size"]
+    spec = json.dumps({"method": "dflash", "model": path, "num_speculative_tokens": block - 1})
+    notes = []
+    exported = Path(path) / "config.json"
+    if exported.is_file():
+        types = set(json.loads(exported.read_text(encoding="utf-8")).get("layer_types") or [])
+        if len(types) > 1:
+            notes.append("- its layers mix sliding-window and full attention: vLLM serves such a "
+                         "drafter with `VLLM_USE_V2_MODEL_RUNNER=1` only")  # fmt: skip
+    if (Path(path) / "mask_embedding.pt").is_file():
+        notes.append("- `mask_embedding.pt` beside it holds its learned mask embedding")
+    return f"""## Serve the drafter
+SGLang:
+```
+python -m sglang.launch_server --model-path {shlex.quote(target)} \\
+    --speculative-algorithm DFLASH --speculative-draft-model-path {shlex.quote(path)} \\
+    --speculative-num-draft-tokens {block}
+```
+vLLM (num_speculative_tokens = block size {block} - 1):
+```
+vllm serve {shlex.quote(target)} --speculative-config {shlex.quote(spec)}
+```
+""" + "\n".join(notes)
+
+
 def summary(rows: list[dict], evaluation: dict, prompts: dict, manifest: dict, img: str,
             extra: dict[str, dict] | None = None) -> str:  # fmt: skip
     """The Markdown summary; `img` is the plot folder relative to the Markdown file, `extra` the
@@ -229,7 +265,9 @@ def summary(rows: list[dict], evaluation: dict, prompts: dict, manifest: dict, i
 {methods_table(evaluation)}
 
 ![histogram]({img}/histogram.png)
-{f"![ddtree]({img}/ddtree.png)" if evaluation.get("ddtree") else ""}"""
+{f"![ddtree]({img}/ddtree.png)" if evaluation.get("ddtree") else ""}
+
+{serving(evaluation)}"""
 
 
 def run(train_metrics: str, eval_metrics: str, prompt_stats: str, manifest: str, plots: str,

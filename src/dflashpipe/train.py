@@ -283,8 +283,10 @@ class Trainer:
         self._resume()
 
     def _build_model(self) -> None:
+        from dflashpipe.preflight import check_config
         from dflashpipe.target import load_target, target_identity
 
+        check_config(self.cfg)  # drafter.sliding_window against train.max_length and num_layers
         target, tok = load_target(self.cfg.target, torch.device("cpu"))
         identity = json.loads(target_identity(self.cfg.target, tok).to_json())
         tc = target.config.get_text_config()

@@ -13,16 +13,19 @@ try:
     from dflashpipe.config import Config
     from dflashpipe.errors import ConfigError
     from dflashpipe import stages
+    from dflashpipe.preflight import check_against_target
     from dflashpipe.storage import atomic_path
 except ImportError as e:
     raise WorkflowError(
         f"the dflashpipe package is not importable ({e}); install its dependencies with `pip install -e .` in {workflow.basedir}"
     )
 
-# Friendly messages first (unknown key, wrong type, device listed twice), then the standard
-# Snakemake validation against the same schema, which also fills in the defaults.
+# Friendly messages first (unknown key, wrong type, device listed twice, a tap on the target's
+# last layer where the target is on disk), then the standard Snakemake validation against the
+# same schema, which also fills in the defaults.
 try:
     CFG = Config.from_dict(config, origin="config")
+    check_against_target(CFG)
 except ConfigError as e:
     raise WorkflowError(str(e))
 validate(config, "../schemas/config.schema.yaml")

@@ -1,0 +1,212 @@
+"""Checks of a config that run before any job: when the workflow starts (common.smk), in
+`python -m dflashpipe check-config`, and again as the stages that load the target start
+(regenerate, extract), for a target that was not on disk yet when the workflow started.
+
+    config ─► config-only checks (drafter.sliding_window against train.max_length and the
+              drafter's layers)
+    target ─► its shape (decoder layers, vocabulary), read cheaply where it is local:
+              a HF directory's config.json, a GGUF file's metadata header (the tensors are
+              not read), a hub id's files in the local HF cache; None otherwise
+           ─► taps inside the target and not on its last layer (layout.check_taps),
+              extract.topk and drafter.mask_token_id inside its vocabulary
+
+Reading the SmolLM2 GGUF's shape takes milliseconds; gguf's GGUFReader takes 3.3 s on it (it
+parses every field, the 49,152-token vocabulary and the merges included) and
+target.load_target_config 15-40 s on a machine's first run (it converts the whole GGUF), so
+neither suits a check that runs on every `snakemake` call.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from dflashpipe.errors import ConfigError
+from dflashpipe.layout import check_taps, default_target_layer_ids
+
+if TYPE_CHECKING:
+    from dflashpipe.config import Config, TargetConfig
+
+LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers")  # HF config.json spellings
+
+
+@dataclass(frozen=True)
+class TargetShape:
+    """What the checks need of a target; `name` is the target as messages name it."""
+
+    num_layers: int
+    vocab_size: int
+    name: str
+
+    @classmethod
+    def of(cls, hf_config, name: str) -> TargetShape:
+        """From a loaded transformers config (multimodal ones: their text model)."""
+        text = hf_config.get_text_config()
+        return cls(text.num_hidden_layers, text.vocab_size, name)
+
+
+def target_name(target: TargetConfig) -> str:
+    return target.model + (f"/{target.gguf_file}" if target.gguf_file else "")
+
+
+def check_config(cfg: Config) -> None:
+    """Checks across sections that need no target."""
+    drafter, window = cfg.drafter, cfg.drafter.sliding_window
+    if window is None:
+        return
+    max_length = cfg.train.max_length
+    if window > max_length:
+        raise ConfigError(
+            f"drafter.sliding_window {window} is larger than train.max_length {max_length}: "
+            "no training sequence is long enough for the window to cut anything, so the drafter "
+            "would train as full attention and be served with a window it never saw; expected "
+            f"at most {max_length}, or null for full attention"
+        )
+    if drafter.num_layers < 2:
+        raise ConfigError(
+            f"drafter.sliding_window {window} with drafter.num_layers {drafter.num_layers}: "
+            "the window applies to every drafter layer but the last, which keeps full "
+            "attention, so a one-layer drafter would not use it; expected num_layers >= 2, or "
+            "sliding_window null"
+        )
+
+
+def check_fits_target(cfg: Config, shape: TargetShape) -> None:
+    """The config's taps, extract.topk and drafter.mask_token_id against the target's shape."""
+    drafter = cfg.drafter
+    ids, key = drafter.target_layer_ids, "drafter.target_layer_ids"
+    if ids is None:
+        n = drafter.num_target_layers
+        ids = default_target_layer_ids(shape.num_layers, n)
+        key = f"drafter.target_layer_ids (null: the default taps for drafter.num_target_layers {n})"
+    check_taps(ids, shape.num_layers, key, shape.name)
+    vocab, k = shape.vocab_size, cfg.extract.topk
+    if k > vocab:
+        raise ConfigError(
+            f"extract.topk {k} is larger than the vocabulary of target {shape.name} "
+            f"({vocab} tokens); expected at most {vocab}, or 0 for no soft targets"
+        )
+    mask = drafter.mask_token_id
+    if mask is not None and mask >= vocab:
+        raise ConfigError(
+            f"drafter.mask_token_id {mask} is outside the vocabulary of target {shape.name} "
+            f"({vocab} tokens); expected an id below {vocab}, or null to choose one"
+        )
+
+
+def check_against_target(cfg: Config) -> None:
+    """Every check that can run now: the config's own, and the target's where it is local
+    (skipped otherwise: the stages that load the target check at their start)."""
+    check_config(cfg)
+    shape = read_target_shape(cfg.target)
+    if shape is not None:
+        check_fits_target(cfg, shape)
+
+
+def check_before_loading(cfg: Config) -> None:
+    """At the start of a stage that loads the target: every check, reading the target's
+    transformers config where its shape cannot be read cheaply (a hub id not cached yet)."""
+    check_config(cfg)
+    shape = read_target_shape(cfg.target)
+    if shape is None:
+        from dflashpipe.target import load_target_config
+
+        shape = TargetShape.of(load_target_config(cfg.target), target_name(cfg.target))
+    check_fits_target(cfg, shape)
+
+
+def read_target_shape(target: TargetConfig) -> TargetShape | None:
+    """The target's shape from local files alone; None where they are not there yet or do not
+    say (the stage that loads the target then checks, with its own messages)."""
+    path = _local_file(target)
+    if path is None:
+        return None
+    try:
+        layers, vocab = _gguf_shape(path) if target.gguf_file else _hf_shape(path)
+    except (OSError, ValueError, KeyError, TypeError, struct.error):
+        return None
+    return TargetShape(layers, vocab, target_name(target))
+
+
+def _local_file(target: TargetConfig) -> Path | None:
+    """The GGUF file or config.json that holds the target's shape, if it is on this machine."""
+    wanted = target.gguf_file or "config.json"
+    root = Path(target.model).expanduser()
+    if root.exists():
+        path = root / wanted if root.is_dir() else root
+        return path if path.is_file() else None
+    if target.model.startswith(("resources/", "results/", "./", "../", "/", "~")):
+        return None  # a local path not made yet (`snakemake resources` retrieves it)
+    try:  # a hub id: only what the local HF cache already holds, never the network
+        from huggingface_hub import try_to_load_from_cache
+
+        found = try_to_load_from_cache(target.model, wanted, revision=target.revision)
+    except (ImportError, ValueError):  # not a repo id after all
+        return None
+    return Path(found) if isinstance(found, str) else None
+
+
+def _hf_shape(config_json: Path) -> tuple[int, int]:
+    top = json.loads(config_json.read_text(encoding="utf-8"))
+    text = top.get("text_config") or {}
+    layers = next(d[k] for d in (text, top) for k in LAYER_KEYS if d.get(k) is not None)
+    vocab = next(d["vocab_size"] for d in (text, top) if d.get("vocab_size") is not None)
+    return int(layers), int(vocab)
+
+
+def _gguf_shape(path: Path) -> tuple[int, int]:
+    """(block_count, vocabulary) from a GGUF's metadata: the key/value section is walked only
+    until both are known; arrays not needed are skipped by their lengths, nothing is decoded."""
+    from gguf import GGUF_MAGIC, GGUFValueType
+
+    scalar = {GGUFValueType.UINT8: "B", GGUFValueType.INT8: "b", GGUFValueType.UINT16: "H",
+              GGUFValueType.INT16: "h", GGUFValueType.UINT32: "I", GGUFValueType.INT32: "i",
+              GGUFValueType.FLOAT32: "f", GGUFValueType.BOOL: "?", GGUFValueType.UINT64: "Q",
+              GGUFValueType.INT64: "q", GGUFValueType.FLOAT64: "d"}  # fmt: skip
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+        magic, version, _, n_kv = struct.unpack_from("<IIQQ", m, 0)
+        if magic != GGUF_MAGIC or version < 2:
+            raise ValueError(f"{path}: not a little-endian GGUF v2+ file")
+        pos, found = 24, {}
+
+        def string(pos: int) -> tuple[str, int]:
+            (n,) = struct.unpack_from("<Q", m, pos)
+            return bytes(m[pos + 8 : pos + 8 + n]).decode("utf-8"), pos + 8 + n
+
+        def skip(pos: int, kind: int) -> int:
+            if kind == GGUFValueType.STRING:
+                return pos + 8 + struct.unpack_from("<Q", m, pos)[0]
+            if kind == GGUFValueType.ARRAY:
+                item, count = struct.unpack_from("<IQ", m, pos)
+                pos += 12
+                if item in scalar:
+                    return pos + count * struct.calcsize(scalar[item])
+                for _ in range(count):
+                    pos = skip(pos, item)
+                return pos
+            return pos + struct.calcsize(scalar[kind])
+
+        for _ in range(n_kv):
+            key, pos = string(pos)
+            (kind,) = struct.unpack_from("<I", m, pos)
+            pos += 4
+            if key == "general.architecture":
+                found["arch"], pos = string(pos)
+            elif key.endswith((".block_count", ".vocab_size")) and kind in scalar:
+                found[key] = struct.unpack_from("<" + scalar[kind], m, pos)[0]
+                pos += struct.calcsize(scalar[kind])
+            elif key == "tokenizer.ggml.tokens" and kind == GGUFValueType.ARRAY:
+                found["tokens"] = struct.unpack_from("<IQ", m, pos)[1]
+                pos = skip(pos, kind)
+            else:
+                pos = skip(pos, kind)
+            arch = found.get("arch")
+            layers = found.get(f"{arch}.block_count")
+            vocab = found.get(f"{arch}.vocab_size") or found.get("tokens")
+            if layers and vocab:
+                return int(layers), int(vocab)
+    raise KeyError(f"{path}: no block_count or vocabulary size in the GGUF metadata")
