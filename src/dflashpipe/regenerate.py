@@ -24,7 +24,7 @@ import json
 import logging
 import shutil
 import time
-from collections import Counter
+from collections import Counter, defaultdict
 from dataclasses import asdict
 from pathlib import Path
 
@@ -36,7 +36,7 @@ from tqdm import tqdm
 from dflashpipe import faults
 from dflashpipe.chat import encode_chat, encode_prompt, end_of_turn_ids
 from dflashpipe.config import Config, RegenerateConfig
-from dflashpipe.errors import DataError
+from dflashpipe.errors import ConfigError, DataError
 from dflashpipe.storage import atomic_path
 
 log = logging.getLogger(__name__)
@@ -229,10 +229,11 @@ def dedupe_answers(rows: list[dict], stats: Counter) -> list[dict]:
 
 
 def plan_digest(
-    gen: RegenerateConfig, target: str, width: int, batches: list[list[list[int]]], shard: int
+    gen: RegenerateConfig, target: str, width, batches: list[list[list[int]]], shard: int
 ) -> str:
-    """What a shard's part files depend on: the stage's settings, the target, the padded width
-    and every batch's prompt tokens, in order."""
+    """What a shard's part files depend on: the stage's settings, the target, the shape (the
+    padded width of generate(), or the static engine's capacity) and every batch's prompt
+    tokens, in order."""
     h = hashlib.sha256(json.dumps([asdict(gen), target, width, shard], sort_keys=True).encode())
     for batch in batches:
         for ids in batch:
@@ -242,26 +243,41 @@ def plan_digest(
 
 
 def regenerate_rows(rows, model, tok, gen: RegenerateConfig, budget: int, parts: PartStore,
-                    max_batches: int | None = None, shard: int = 0, target: str = ""
-                    ) -> tuple[list[dict], Counter, bool]:  # fmt: skip
-    """Generate `samples_per_prompt` answers for each of `rows`, saving a part file every
-    `save_every` prompts; returns (rows, stats, finished). Stops at a part boundary once
-    `max_batches` have run. `target` (the target's identity) joins the parts' plan."""
+                    max_batches: int | None = None, shard: int = 0, target: str = "",
+                    engine: str = "hf") -> tuple[list[dict], Counter, bool]:  # fmt: skip
+    """Generate `samples_per_prompt` answers for each of `rows` on `engine` ("static": the
+    batched engine, "hf": generate()), saving a part file every `save_every` answers (hf:
+    prompts); returns (rows, stats, finished). Stops at a part boundary once `max_batches`
+    batches (static: part files) have run. `target` (the target's identity) joins the plan."""
     eot = end_of_turn_ids(tok)
-    pad_id = tok.pad_token_id if tok.pad_token_id is not None else min(eot)
-    kinds = {sampled(gen, s) for s in range(gen.samples_per_prompt)}
-    configs = {kind: generation_config(gen, eot, pad_id, model.device, kind) for kind in kinds}
     prompts = [encode_prompt(tok, r["messages"], gen.enable_thinking) for r in rows]
     longest = min(budget - 1, gen.max_prompt_tokens or budget)
     keep = [i for i, p in enumerate(prompts) if len(p) <= longest]
     stats = Counter(prompt_too_long=len(rows) - len(keep))
     by_length = plan_batches([len(prompts[i]) for i in keep], gen.batch_size)
+    batches = [[keep[i] for i in b] for b in by_length]
+    args = (rows, prompts, batches, gen, eot, parts, max_batches, shard, target)
+    done = decode_static(model, *args) if engine == "static" else decode_hf(model, tok, *args)
+    if not done:
+        return [], stats, False
+    saved, part_stats = parts.load()
+    stats.update(part_stats)  # update keeps zero counts (Counter + drops them)
+    return dedupe_answers(saved, stats), stats, True
+
+
+def decode_hf(model, tok, rows, prompts, batches, gen, eot, parts, max_batches, shard, target
+              ) -> bool:  # fmt: skip
+    """generate() over the length-sorted `batches`, each answer index s in turn; a part file
+    per save_every // batch_size batches. False when stopped by max_batches."""
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else min(eot)
+    kinds = {sampled(gen, s) for s in range(gen.samples_per_prompt)}
+    configs = {kind: generation_config(gen, eot, pad_id, model.device, kind) for kind in kinds}
+    keep = [i for b in batches for i in b]
     # With a static cache every batch takes the shard's widest shape: one compiled decode graph
     # serves them all (transformers also sizes the cache for the longest call so far, so a
     # narrower batch would not decode faster anyway).
     static = next(iter(configs.values())).cache_implementation == "static"
     width = padded_shape([len(prompts[i]) for i in keep], 1)[1] if static and keep else 0
-    batches = [[keep[i] for i in b] for b in by_length]
     parts.bind(plan_digest(gen, target, width, [[prompts[i] for i in b] for b in batches], shard))
     per_part = max(1, gen.save_every // gen.batch_size)
     done = parts.done()
@@ -286,7 +302,7 @@ def regenerate_rows(rows, model, tok, gen: RegenerateConfig, budget: int, parts:
     for sample, first in todo:
         if max_batches is not None and ran >= max_batches:
             bar.close()
-            return [], stats, False
+            return False
         part_rows, part_stats = [], Counter()
         for b, batch in enumerate(batches[first : first + per_part], start=first):
             t = time.perf_counter()
@@ -321,9 +337,101 @@ def regenerate_rows(rows, model, tok, gen: RegenerateConfig, budget: int, parts:
             bar.set_postfix(tok_s=f"{new_tokens / (time.perf_counter() - start):.0f}")
         parts.save(sample * len(batches) + first, part_rows, part_stats)
     bar.close()
-    saved, part_stats = parts.load()
-    stats.update(part_stats)  # update keeps zero counts (Counter + drops them)
-    return dedupe_answers(saved, stats), stats, True
+    return True
+
+
+def answer_seed(seed: int, prompt_id: str, sample: int) -> int:
+    """The sampling generator's seed of answer `sample` to a prompt (the static engine): fixed by
+    the prompt and the answer index, not by the slot, batch, shard or run it is decoded in."""
+    key = repr((seed, prompt_id, sample)).encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
+
+
+def decode_static(model, rows, prompts, batches, gen, eot, parts, max_parts, shard, target
+                  ) -> bool:  # fmt: skip
+    """Every answer (index s of each prompt in plan order, s by s) through the batched engine in
+    one stream; part k holds answers k..k+save_every-1 of that list and is saved once they are
+    all in (they finish out of order). Parts saved before are not redone; a part's answers do
+    not depend on what else was decoded beside them, so a resumed shard equals a whole one.
+    False when stopped after `max_parts` part files."""
+    from dflashpipe.decoding.batched import BatchedEngine, Request, Sampling
+
+    order = [i for b in batches for i in b]
+    jobs = [(s, i) for s in range(gen.samples_per_prompt) for i in order]
+    capacity = max((len(prompts[i]) for i in order), default=0) + gen.max_new_tokens
+    parts.bind(plan_digest(gen, target, ["static", capacity], [[prompts[i] for i in order]], shard))
+    done, size = parts.done(), gen.save_every
+    todo = {k: range(k, min(k + size, len(jobs))) for k in range(0, len(jobs), size)}
+    todo = {k: r for k, r in todo.items() if k not in done}
+    if done:
+        log.info("resuming: %d of %d part files already done in %s", len(done),
+                 len(todo) + len(done), parts.dir)  # fmt: skip
+    if not todo:
+        return True
+    try:
+        engine = BatchedEngine(model, gen.batch_size, capacity)
+    except ValueError as e:
+        raise ConfigError(f"regenerate.batch_size {gen.batch_size}: {e}") from None
+    log.info("static engine: %d row slots x %d cache slots, CUDA graphs %s, compiled %s",
+             engine.rows, engine.capacity, engine.graphs, engine.compiled)  # fmt: skip
+    names = [n for r in todo.values() for n in r]  # request index -> job index
+    requests = [
+        Request(f"{rows[i]['prompt_id']}-{s}", prompts[i], seed)
+        for s, i in (jobs[n] for n in names)
+        for seed in [answer_seed(gen.seed, rows[i]["prompt_id"], s) if sampled(gen, s) else None]
+    ]
+    sampling = Sampling(gen.temperature, gen.top_p, gen.top_k) if gen.temperature > 0 else None
+    bar = tqdm(total=len(jobs), desc="regenerate", unit=" answer", mininterval=2)
+    bar.update(len(jobs) - len(names))
+    answers, saved, new_tokens, start = defaultdict(dict), 0, 0, time.perf_counter()
+    for a in engine.generate(requests, gen.max_new_tokens, eot, sampling):
+        n = names[a.index]
+        k = n - n % size
+        answers[k][n] = a
+        new_tokens += len(a.tokens)
+        faults.point("regenerate.answer")
+        bar.update(1)
+        if len(answers[k]) < len(todo[k]):
+            continue
+        part_rows, part_stats = [], Counter()
+        for n in todo[k]:
+            (s, i), a = jobs[n], answers[k].pop(n)
+            mask = [0] * len(prompts[i]) + [1] * len(a.tokens)
+            part_rows.append(
+                _row(rows[i], prompts[i] + a.tokens, mask, len(prompts[i]), a.finish, s)
+            )
+            part_stats[f"finish_{a.finish}"] += 1
+        parts.save(k, part_rows, part_stats)
+        saved += 1
+        rate = new_tokens / (time.perf_counter() - start)
+        log.info("part %d saved (%d answers); %d new tokens so far, %.0f tok/s; engine %s", k,
+                 len(todo[k]), new_tokens, rate, dict(engine.stats))  # fmt: skip
+        bar.set_postfix(tok_s=f"{rate:.0f}")
+        if max_parts is not None and saved >= max_parts and saved < len(todo):
+            bar.close()
+            return False
+    bar.close()
+    return True
+
+
+def engine_kind(gen: RegenerateConfig, target) -> tuple[str, str]:
+    """(kind, why): the engine regenerate.engine picks for the target (its transformers config,
+    read before the weights load): static where the static models support the family, hf
+    otherwise (auto) or refused (static)."""
+    from dflashpipe.kvcache import check_target_config
+    from dflashpipe.target import load_target_config
+
+    if gen.engine == "hf":
+        return "hf", "regenerate.engine: hf"
+    try:
+        check_target_config(load_target_config(target))
+    except ValueError as e:
+        if gen.engine == "static":
+            raise ConfigError(
+                f"regenerate.engine is static, but the target is refused: {e}"
+            ) from None
+        return "hf", f"regenerate.engine auto: transformers' generate(), since {e}"
+    return "static", f"regenerate.engine: {gen.engine}"
 
 
 def run(
@@ -347,13 +455,16 @@ def run(
         identity = target_identity(cfg.target, tok).to_json()
         stats: Counter = Counter()
         seqs = dataset_rows(rows, tok, gen.enable_thinking, stats)
+        engine, why = "none", "regenerate.enabled: false"
     else:
+        engine, why = engine_kind(gen, cfg.target)  # refused before the device is taken
+        log.info("engine %s (%s)", engine, why)
         with stage_device(cfg.devices.extract, shard, "devices.extract") as device:
             log.info("shard %d: %d prompts on %s", shard, len(rows), device)
             model, tok = load_target(cfg.target, device)
             identity = target_identity(cfg.target, tok).to_json()  # hashed once: the plan's too
             seqs, stats, finished = regenerate_rows(
-                rows, model, tok, gen, budget, parts, max_batches, shard, identity
+                rows, model, tok, gen, budget, parts, max_batches, shard, identity, engine
             )
             if not finished:
                 log.info("stopped after %d batches; rerun to finish %s", max_batches, out_path)
@@ -365,6 +476,8 @@ def run(
         "regenerate": json.dumps(cfg.section("regenerate"), sort_keys=True),
         "stats": json.dumps({"prompts": len(rows), "samples": len(seqs), **stats}),
         "shard": f"{shard}/{gen.shards}",
+        "engine": engine,
+        "engine_reason": why,
     }
     table = pa.Table.from_pylist(seqs, schema=SEQUENCE_SCHEMA).replace_schema_metadata(meta)
     with atomic_path(out_path) as tmp:

@@ -1,0 +1,1 @@
+"""Everything that decodes: static models, engines, tree search, lookup, the eager loop."""
