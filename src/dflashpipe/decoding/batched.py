@@ -63,7 +63,7 @@ WARMUP_RUNS = 3  # eager runs on a side stream before a capture, as the CUDA-gra
 MIN_BUCKET = 16  # the shortest prefill length bucket
 PREFILL_TOKENS = 16384  # rows x bucket length of one prefill forward, at most
 MEMORY_SHARE = 0.9  # of the free memory the engine's buffers may take (the rest: allocator slack)
-MAX_STOPS = 16  # stop ids a call may give (a fixed-size buffer the step reads)
+MAX_STOPS = 32  # stop ids a call may give (a fixed-size buffer the step reads)
 STEP_FLOATS = 4  # float32 (R, V) tensors a sampled step holds at once (logits, sort, cdf, mask)
 
 
@@ -411,8 +411,17 @@ class BatchedEngine:
             return 0
         rows = torch.tensor([r for r, _ in taken])  # (n,)
         state = torch.tensor(
-            [[requests[j].prompt[-1], len(requests[j].prompt) - 1, 0, limits[j], 1,
-              int(requests[j].seed is not None)] for _, j in taken]
+            [
+                [
+                    requests[j].prompt[-1],
+                    len(requests[j].prompt) - 1,
+                    0,
+                    limits[j],
+                    1,
+                    int(requests[j].seed is not None),
+                ]
+                for _, j in taken
+            ]
         )  # fmt: skip  (n, 6): token, length, produced, limit, active, sampled
         uniforms = torch.zeros(len(taken), self.capacity)  # (n, C)
         for k, (r, j) in enumerate(taken):
