@@ -355,6 +355,17 @@ class BatchedEngine:
             pending = current
         self.stats["steps"] += turn
 
+    @torch.no_grad()
+    def idle_steps(self, n: int) -> None:
+        """n greedy decode steps with every row idle (the kernels and shapes of any step: what
+        benchmarks time alone)."""
+        self.state["active"].zero_()
+        key, step = ("decode", None), self._step(None)
+        if self.graphs and key not in self._graphs:
+            self._graphs[key] = (capture(step, self.device, self._pool), [])
+        for _ in range(n):
+            self._run(key, step)
+
     def _check(
         self, requests: Sequence[Request], max_new_tokens: int, stop_ids: set[int],
         sampling: Sampling | None,
