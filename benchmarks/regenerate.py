@@ -49,7 +49,7 @@ from transformers import (
 
 from dflashpipe import attention
 from dflashpipe.decoding.batched import BatchedEngine, Request
-from dflashpipe.regenerate import generate_batch
+from dflashpipe.decoding.hf_generate import generate_batch
 
 HERE = Path(__file__).resolve().parent
 HBM_BYTES_PER_S = 4.8e12  # H200

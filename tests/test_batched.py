@@ -13,10 +13,13 @@ from conftest import SMOLLM2_GGUF
 
 from dflashpipe.chat import encode_prompt, end_of_turn_ids
 from dflashpipe.config import Config, TargetConfig
-from dflashpipe.decoding.batched import BatchedEngine, Request, Sampling, cache_bytes
+from dflashpipe.decoding.batched import BatchedEngine, Request
+from dflashpipe.decoding.hf_generate import generate_batch, generation_config
+from dflashpipe.decoding.memory import cache_bytes
+from dflashpipe.decoding.sampling import Sampling
 from dflashpipe.errors import ConfigError
 from dflashpipe.prompts import Prompt, prompt_key, write_prompts
-from dflashpipe.regenerate import PartStore, generate_batch, generation_config, run
+from dflashpipe.regenerate import PartStore, run
 from dflashpipe.target import load_target
 
 ASK = ["What is 2+2?", "Say hi.", "Name a color.", "What is the capital of France?",

@@ -178,7 +178,7 @@ def test_static_cache_decodes_like_dynamic(tiny_target_dir, prompts_file, tmp_pa
 
 
 def test_padded_shapes_are_few():
-    from dflashpipe.regenerate import padded_shape
+    from dflashpipe.decoding.hf_generate import padded_shape
 
     assert padded_shape([3, 10], 4) == (4, 64)
     assert padded_shape([65, 100], 2) == (2, 128)

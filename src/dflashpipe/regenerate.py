@@ -1,20 +1,24 @@
 """Stage 2, regenerate: the target answers the training prompts of one shard.
 
-    prompts/train.parquet ──(rows i::n)──► length-sorted batches ──► per sample index s < n:
-        generate (left padding) ──► part files every `save_every` prompts
-        ──► identical answers to one prompt dropped ──► sequences/shard-{i:05d}.parquet
+    prompts/train.parquet ──(rows i::n)──► length-sorted plan ──► samples_per_prompt answers each
+        static (regenerate.engine): the batched engine (decoding/batched.py), every answer in
+                one stream, a row slot refilled as soon as its answer ends
+        hf:     generate() on left-padded batches, answer index s by s
+        ──► part files every `save_every` answers ──► identical answers to one prompt dropped
+        ──► sequences/shard-{i:05d}.parquet (the engine in its metadata)
 
 Each row holds exactly the tokens the target saw and produced (`input_ids`), a `loss_mask` that
 is 1 only on generated tokens, and a `finish_reason`; its `sample_id` is `{prompt_id}-{s}`.
 With `samples_per_prompt: n` every prompt is answered n times: answer 0 greedy (`greedy_first`),
-the others sampled at the stage's temperature / top_p / top_k. Every sampled batch draws from a
-generator seeded by (seed, shard, sample index, batch), so a rerun or a resumed run draws the same
-numbers; it gives the same answers where the kernels are deterministic (the CPU; batched bf16
-decoding on a GPU is not bit-exact from run to run, greedy answers included). Batches are fixed
-up front from the whole shard, so a resumed run decodes the same batches as an uninterrupted one;
-finished batches live in part files beside the output and are never redone. With
-`regenerate.enabled: false` the rows hold the datasets' own answers, tokenized with an
-assistant-only mask.
+the others sampled at the stage's temperature / top_p / top_k. On the engine each sampled answer
+draws from its own generator, seeded by (seed, prompt id, answer index); on generate() each
+sampled batch from one seeded by (seed, shard, sample index, batch). Either way a rerun or a
+resumed run draws the same numbers; it gives the same answers where the kernels are
+deterministic (the CPU; batched bf16 decoding on a GPU is not bit-exact from run to run, greedy
+answers included). The plan is fixed up front from the whole shard, so a resumed run's parts
+hold the answers an uninterrupted run's do; finished parts live beside the output and are never
+redone. With `regenerate.enabled: false` the rows hold the datasets' own answers, tokenized with
+an assistant-only mask.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from tqdm import tqdm
 from dflashpipe import faults
 from dflashpipe.chat import encode_chat, encode_prompt, end_of_turn_ids
 from dflashpipe.config import Config, RegenerateConfig
+from dflashpipe.decoding.hf_generate import generate_batch, generation_config, padded_shape
 from dflashpipe.errors import ConfigError, DataError
 from dflashpipe.storage import atomic_path
 
@@ -69,57 +74,6 @@ def plan_batches(lengths: list[int], batch_size: int) -> list[list[int]]:
     """Indices grouped into batches of similar length (longest first: memory peaks early)."""
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     return [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
-
-
-def generation_config(
-    gen: RegenerateConfig, eot: set[int], pad_id: int, device: torch.device, sampled: bool
-):
-    from transformers import GenerationConfig
-
-    # A fresh config: the model's own sampling defaults must not leak into "greedy".
-    cache = gen.cache if gen.cache != "auto" else ("static" if device.type == "cuda" else "dynamic")
-    extra = (
-        {"temperature": gen.temperature, "top_p": gen.top_p, "top_k": gen.top_k} if sampled else {}
-    )
-    return GenerationConfig(
-        max_new_tokens=gen.max_new_tokens,
-        do_sample=sampled,
-        eos_token_id=sorted(eot),
-        pad_token_id=pad_id,
-        cache_implementation=cache,
-        **extra,
-    )
-
-
-def padded_shape(lengths: list[int], batch_size: int, width: int = 0) -> tuple[int, int]:
-    """(rows, width) of a generate() call: widths round up to a power of two (>= 64, at least
-    `width`) and a short last batch is filled up to batch_size, so the shapes are few."""
-    width = max(width, 64, 1 << (max(lengths) - 1).bit_length())
-    return max(batch_size, len(lengths)), width
-
-
-@torch.inference_mode()
-def generate_batch(
-    model, prompts: list[list[int]], gen_cfg, eot: set[int], batch_size: int = 0, width: int = 0
-) -> list[tuple]:
-    """(new token ids incl. the end-of-turn token, finish reason) per prompt; left padding."""
-    rows, width = padded_shape(list(map(len, prompts)), batch_size, width)
-    ids = torch.full((rows, width), gen_cfg.pad_token_id, dtype=torch.long)
-    mask = torch.zeros((rows, width), dtype=torch.long)
-    for row in range(rows):
-        p = prompts[row % len(prompts)]  # filler rows repeat real prompts; their output is dropped
-        ids[row, width - len(p) :] = torch.tensor(p)
-        mask[row, width - len(p) :] = 1
-    out = model.generate(
-        input_ids=ids.to(model.device),
-        attention_mask=mask.to(model.device),
-        generation_config=gen_cfg,
-    )
-    results = []
-    for row in out[: len(prompts), width:].tolist():
-        stop = next((k for k, t in enumerate(row) if t in eot), None)
-        results.append((row[: stop + 1], "stop") if stop is not None else (row, "length"))
-    return results
 
 
 class PartStore:
@@ -202,6 +156,17 @@ def _row(
         "num_prompt_tokens": n_prompt,
         "finish_reason": finish,
     }
+
+
+def part_rows(rows: list[dict], prompts: list[list[int]], answered: list[tuple]
+              ) -> tuple[list[dict], Counter]:  # fmt: skip
+    """A part file's rows and finish counts from (sample, prompt index, new tokens, finish)."""
+    out, stats = [], Counter()
+    for sample, i, new, finish in answered:
+        mask = [0] * len(prompts[i]) + [1] * len(new)
+        out.append(_row(rows[i], prompts[i] + new, mask, len(prompts[i]), finish, sample))
+        stats[f"finish_{finish}"] += 1
+    return out, stats
 
 
 def sampled(gen: RegenerateConfig, sample: int) -> bool:
@@ -290,12 +255,8 @@ def decode_hf(model, tok, rows, prompts, batches, gen, eot, parts, max_batches, 
     ]
     total = len(keep) * gen.samples_per_prompt
     if done:
-        log.info(
-            "resuming: %d of %d part files already done in %s",
-            len(done),
-            len(todo) + len(done),
-            parts.dir,
-        )
+        log.info("resuming: %d of %d part files already done in %s", len(done),
+                 len(todo) + len(done), parts.dir)  # fmt: skip
     bar = tqdm(total=total, desc="regenerate", unit=" answer", mininterval=2)
     bar.update(total - sum(len(b) for _, k in todo for b in batches[k : k + per_part]))
     ran, new_tokens, start = 0, 0, time.perf_counter()
@@ -303,39 +264,24 @@ def decode_hf(model, tok, rows, prompts, batches, gen, eot, parts, max_batches, 
         if max_batches is not None and ran >= max_batches:
             bar.close()
             return False
-        part_rows, part_stats = [], Counter()
+        answered = []
         for b, batch in enumerate(batches[first : first + per_part], start=first):
             t = time.perf_counter()
             if sampled(gen, sample):
                 torch.manual_seed(batch_seed(gen.seed, shard, sample, b))
-            answers = generate_batch(
-                model,
-                [prompts[i] for i in batch],
-                configs[sampled(gen, sample)],
-                eot,
-                gen.batch_size,
-                width,
-            )
+            answers = generate_batch(model, [prompts[i] for i in batch],
+                                     configs[sampled(gen, sample)], eot, gen.batch_size, width)  # fmt: skip
             made = sum(len(new) for new, _ in answers)
-            log.info(
-                "batch of %d prompts, shape %s: %d new tokens in %.1f s",
-                len(batch),
-                padded_shape([len(prompts[i]) for i in batch], gen.batch_size, width),
-                made,
-                time.perf_counter() - t,
-            )
-            for i, (new, finish) in zip(batch, answers, strict=True):
-                mask = [0] * len(prompts[i]) + [1] * len(new)
-                part_rows.append(
-                    _row(rows[i], prompts[i] + new, mask, len(prompts[i]), finish, sample)
-                )
-                part_stats[f"finish_{finish}"] += 1
+            shape = padded_shape([len(prompts[i]) for i in batch], gen.batch_size, width)
+            log.info("batch of %d prompts, shape %s: %d new tokens in %.1f s", len(batch), shape,
+                     made, time.perf_counter() - t)  # fmt: skip
+            answered += [(sample, i, *a) for i, a in zip(batch, answers, strict=True)]
             new_tokens += made
             ran += 1
             faults.point("regenerate.batch")
             bar.update(len(batch))
             bar.set_postfix(tok_s=f"{new_tokens / (time.perf_counter() - start):.0f}")
-        parts.save(sample * len(batches) + first, part_rows, part_stats)
+        parts.save(sample * len(batches) + first, *part_rows(rows, prompts, answered))
     bar.close()
     return True
 
@@ -347,6 +293,16 @@ def answer_seed(seed: int, prompt_id: str, sample: int) -> int:
     return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
 
 
+def engine_request(rows: list[dict], prompts: list[list[int]], gen: RegenerateConfig,
+                   sample: int, i: int):  # fmt: skip
+    """The batched engine's request for answer `sample` to prompt i, named by its sample id."""
+    from dflashpipe.decoding.batched import Request
+
+    prompt_id = rows[i]["prompt_id"]
+    seed = answer_seed(gen.seed, prompt_id, sample) if sampled(gen, sample) else None
+    return Request(f"{prompt_id}-{sample}", prompts[i], seed)
+
+
 def decode_static(model, rows, prompts, batches, gen, eot, parts, max_parts, shard, target
                   ) -> bool:  # fmt: skip
     """Every answer (index s of each prompt in plan order, s by s) through the batched engine in
@@ -354,7 +310,8 @@ def decode_static(model, rows, prompts, batches, gen, eot, parts, max_parts, sha
     all in (they finish out of order). Parts saved before are not redone; a part's answers do
     not depend on what else was decoded beside them, so a resumed shard equals a whole one.
     False when stopped after `max_parts` part files."""
-    from dflashpipe.decoding.batched import BatchedEngine, Request, Sampling
+    from dflashpipe.decoding.batched import BatchedEngine
+    from dflashpipe.decoding.sampling import Sampling
 
     order = [i for b in batches for i in b]
     jobs = [(s, i) for s in range(gen.samples_per_prompt) for i in order]
@@ -375,11 +332,7 @@ def decode_static(model, rows, prompts, batches, gen, eot, parts, max_parts, sha
     log.info("static engine: %d row slots x %d cache slots, CUDA graphs %s, compiled %s",
              engine.rows, engine.capacity, engine.graphs, engine.compiled)  # fmt: skip
     names = [n for r in todo.values() for n in r]  # request index -> job index
-    requests = [
-        Request(f"{rows[i]['prompt_id']}-{s}", prompts[i], seed)
-        for s, i in (jobs[n] for n in names)
-        for seed in [answer_seed(gen.seed, rows[i]["prompt_id"], s) if sampled(gen, s) else None]
-    ]
+    requests = [engine_request(rows, prompts, gen, *jobs[n]) for n in names]
     sampling = Sampling(gen.temperature, gen.top_p, gen.top_k) if gen.temperature > 0 else None
     bar = tqdm(total=len(jobs), desc="regenerate", unit=" answer", mininterval=2)
     bar.update(len(jobs) - len(names))
@@ -393,15 +346,9 @@ def decode_static(model, rows, prompts, batches, gen, eot, parts, max_parts, sha
         bar.update(1)
         if len(answers[k]) < len(todo[k]):
             continue
-        part_rows, part_stats = [], Counter()
-        for n in todo[k]:
-            (s, i), a = jobs[n], answers[k].pop(n)
-            mask = [0] * len(prompts[i]) + [1] * len(a.tokens)
-            part_rows.append(
-                _row(rows[i], prompts[i] + a.tokens, mask, len(prompts[i]), a.finish, s)
-            )
-            part_stats[f"finish_{a.finish}"] += 1
-        parts.save(k, part_rows, part_stats)
+        got = answers.pop(k)
+        answered = [(*jobs[n], got[n].tokens, got[n].finish) for n in todo[k]]
+        parts.save(k, *part_rows(rows, prompts, answered))
         saved += 1
         rate = new_tokens / (time.perf_counter() - start)
         log.info("part %d saved (%d answers); %d new tokens so far, %.0f tok/s; engine %s", k,

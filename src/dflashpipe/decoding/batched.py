@@ -34,16 +34,16 @@ slot, the step or the other rows, so an answer is the same in any batch, R or re
 
 from __future__ import annotations
 
-import logging
 from collections import Counter, defaultdict, deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
 from torch import Tensor, nn
 
+from dflashpipe.decoding.memory import check_fit
+from dflashpipe.decoding.sampling import Sampling, draw
 from dflashpipe.kvcache import (
     CAPACITY_ALIGN,
     attend_cache,
@@ -57,33 +57,10 @@ from dflashpipe.kvcache import (
 )
 from dflashpipe.model import apply_rope
 
-log = logging.getLogger(__name__)
-
 WARMUP_RUNS = 3  # eager runs on a side stream before a capture, as the CUDA-graph docs advise
 MIN_BUCKET = 16  # the shortest prefill length bucket
 PREFILL_TOKENS = 16384  # rows x bucket length of one prefill forward, at most
-MEMORY_SHARE = 0.9  # of the free memory the engine's buffers may take (the rest: allocator slack)
 MAX_STOPS = 32  # stop ids a call may give (a fixed-size buffer the step reads)
-STEP_FLOATS = 4  # float32 (R, V) tensors a sampled step holds at once (logits, sort, cdf, mask)
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """How sampled requests draw (greedy ones take the argmax): temperature > 0, top_k (0: off),
-    top_p in (0, 1] (1: off)."""
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-
-    def __post_init__(self) -> None:
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p is {self.top_p}; expected a value in (0, 1]")
-        if self.temperature <= 0 or self.top_k < 0:
-            raise ValueError(
-                f"temperature {self.temperature} and top_k {self.top_k}: expected a "
-                "temperature > 0 and top_k >= 0 (0: off) for sampled requests"
-            )
 
 
 @dataclass(frozen=True)
@@ -102,49 +79,6 @@ class Answer:
     index: int  # of the request in the call
     tokens: list[int]  # the new tokens, a stop token included
     finish: str  # "stop" (a stop token) or "length" (max_new_tokens)
-
-
-def cache_bytes(model: nn.Module, rows: int, capacity: int) -> int:
-    """The static cache: rows x capacity x layers x 2 (K, V) x kv_heads x head_dim x dtype
-    bytes (plus the scratch row)."""
-    base = model.get_decoder()
-    k = base.layers[0].self_attn.k_proj.weight
-    return (rows + 1) * capacity * len(base.layers) * 2 * k.shape[0] * k.element_size()
-
-
-def step_bytes(model: nn.Module, rows: int) -> int:
-    """What a decode step holds beside the cache: STEP_FLOATS float32 (rows, vocab) tensors."""
-    return rows * model.get_output_embeddings().weight.shape[0] * 4 * STEP_FLOATS
-
-
-def free_memory(device: torch.device) -> int:
-    """Bytes free for the engine: the GPU's free memory, or the host's MemAvailable."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    meminfo = Path("/proc/meminfo")
-    if meminfo.is_file():
-        for line in meminfo.read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    import os
-
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
-def check_fit(model: nn.Module, rows: int, capacity: int, budget: int | None = None) -> None:
-    """Refuse (ValueError) rows x capacity whose cache and step buffers exceed `budget` bytes
-    (None: MEMORY_SHARE of the device's free memory), before anything is allocated."""
-    device = model.get_input_embeddings().weight.device
-    budget = int(MEMORY_SHARE * free_memory(device)) if budget is None else budget
-    cache, step = cache_bytes(model, rows, capacity), step_bytes(model, rows)
-    if cache + step > budget:
-        gib = 2**30
-        raise ValueError(
-            f"{rows} rows x {capacity} slots need {cache / gib:.2f} GiB of KV cache (rows x "
-            f"capacity x layers x 2 x kv_heads x head_dim x dtype bytes) + {step / gib:.2f} GiB "
-            f"of step buffers, more than the {budget / gib:.2f} GiB budget on {device}; use "
-            "fewer rows or a smaller capacity (longest prompt + max_new_tokens)"
-        )
 
 
 def decode_inputs(
@@ -191,24 +125,6 @@ def prefill_layer(
     v_cache[:, :, :P].index_copy_(0, rows, v)
     y = attend_cache(q, k, v, mask, layer.self_attn.scaling)  # (n, Hq, P, D)
     return layer_out(layer, x, y.transpose(1, 2).flatten(2), fused)
-
-
-def draw(logits: Tensor, u: Tensor, sampling: Sampling) -> Tensor:
-    """Tokens (R,) at the inverse CDF u (R,) in [0, 1) of logits (R, V) under temperature, then
-    top-k, then top-p (transformers' order): one uniform per token, no generator state."""
-    scores, ids = logits / sampling.temperature, None
-    if sampling.top_k:
-        scores, ids = scores.topk(min(sampling.top_k, scores.shape[-1]))  # (R, k), likeliest first
-    elif sampling.top_p < 1:
-        scores, ids = scores.sort(-1, descending=True)  # (R, V)
-    probs = scores.softmax(-1)
-    if sampling.top_p < 1:
-        likelier = probs.cumsum(-1) - probs  # mass of the tokens before each one
-        probs = probs.masked_fill(likelier >= sampling.top_p, 0)  # the likeliest always stays
-    cdf = probs.cumsum(-1)  # (R, n)
-    target = (u * cdf[:, -1])[:, None]  # (R, 1): the total is 1 up to rounding
-    pick = (cdf <= target).sum(-1, keepdim=True).clamp(max=cdf.shape[-1] - 1)  # (R, 1)
-    return (pick if ids is None else ids.gather(-1, pick))[:, 0]
 
 
 def advance(
@@ -264,7 +180,7 @@ class BatchedEngine:
     of fused ones (kvcache.fuse_layer). `graphs` (default: on CUDA) captures the decode step and
     each prefill shape as CUDA graphs; `compile` (default: with graphs) compiles the step's
     per-layer functions for their one shape. `memory_budget`: bytes the cache and step buffers
-    may take (None: MEMORY_SHARE of the free memory)."""
+    may take (None: memory.MEMORY_SHARE of the free memory)."""
 
     def __init__(
         self, model: nn.Module, rows: int, capacity: int, graphs: bool | None = None,
@@ -324,13 +240,8 @@ class BatchedEngine:
         """Answers to `requests` as they finish (not in request order); requests with a seed
         are sampled under `sampling`. Every request is checked before anything is decoded."""
         limits = self._check(requests, max_new_tokens, stop_ids, sampling)
-        kind = sampling if any(r.seed is not None for r in requests) else None
-        key, step = ("decode", kind), self._step(kind)
-        self.state["active"].zero_()  # a call left early (a consumer that stopped) left rows on
+        key, step = self._decoder(sampling if any(r.seed is not None for r in requests) else None)
         self.stops.fill_(-1).narrow(0, 0, len(stop_ids)).copy_(torch.tensor(sorted(stop_ids)))
-        if self.graphs and key not in self._graphs:  # captured while every row is idle
-            self._graphs[key] = (capture(step, self.device, self._pool), [])
-            self.stats["captures"] += 1
         queue, owner = deque(range(len(requests))), [-1] * self.rows  # slot -> request index
         out = np.zeros((self.rows, self.capacity), dtype=np.int64)  # per slot: its answer so far
         count = np.zeros(self.rows, dtype=np.int64)
@@ -359,10 +270,7 @@ class BatchedEngine:
     def idle_steps(self, n: int) -> None:
         """n greedy decode steps with every row idle (the kernels and shapes of any step: what
         benchmarks time alone)."""
-        self.state["active"].zero_()
-        key, step = ("decode", None), self._step(None)
-        if self.graphs and key not in self._graphs:
-            self._graphs[key] = (capture(step, self.device, self._pool), [])
+        key, step = self._decoder(None)
         for _ in range(n):
             self._run(key, step)
 
@@ -388,8 +296,11 @@ class BatchedEngine:
             limits.append(limit)
         return limits
 
-    def _step(self, sampling: Sampling | None) -> Callable[[], None]:
-        """The decode step of all rows (greedy, or with sampled rows under `sampling`)."""
+    def _decoder(self, sampling: Sampling | None) -> tuple[tuple, Callable[[], None]]:
+        """The decode step of all rows (greedy, or with sampled rows under `sampling`) and its
+        graph's key; every row idle (a call left early leaves rows on), so a first capture's
+        warm-up runs change nothing."""
+        self.state["active"].zero_()
         if sampling not in self._steps:
 
             def tokens(norm, lm_head, x, state, stops):  # sampling: a constant of the graph
@@ -408,7 +319,11 @@ class BatchedEngine:
                 choose(b.norm, self.model.lm_head, x, s, self.stops)
 
             self._steps[sampling] = step
-        return self._steps[sampling]
+        key = ("decode", sampling)
+        if self.graphs and key not in self._graphs:
+            self._graphs[key] = (capture(self._steps[sampling], self.device, self._pool), [])
+            self.stats["captures"] += 1
+        return key, self._steps[sampling]
 
     def _refill(
         self, slots: list[int], queue: deque, owner: list[int], requests: Sequence[Request],
@@ -420,20 +335,13 @@ class BatchedEngine:
         taken = [(r, queue.popleft()) for r in slots[: len(queue)]]
         if not taken:
             return 0
+
+        def initial(j: int) -> list[int]:  # token, length, produced, limit, active, sampled
+            r = requests[j]
+            return [r.prompt[-1], len(r.prompt) - 1, 0, limits[j], 1, int(r.seed is not None)]
+
         rows = torch.tensor([r for r, _ in taken])  # (n,)
-        state = torch.tensor(
-            [
-                [
-                    requests[j].prompt[-1],
-                    len(requests[j].prompt) - 1,
-                    0,
-                    limits[j],
-                    1,
-                    int(requests[j].seed is not None),
-                ]
-                for _, j in taken
-            ]
-        )  # fmt: skip  (n, 6): token, length, produced, limit, active, sampled
+        state = torch.tensor([initial(j) for _, j in taken])  # (n, 6)
         uniforms = torch.zeros(len(taken), self.capacity)  # (n, C)
         for k, (r, j) in enumerate(taken):
             owner[r], count[r] = j, 0
@@ -490,7 +398,7 @@ class BatchedEngine:
             self.stats["captures"] += 1
         graph, static = self._graphs[key]
         for buffer, t in zip(static, inputs, strict=True):
-            buffer.copy_(self._upload(t), non_blocking=True)
+            buffer.copy_(t.pin_memory(), non_blocking=True)
         graph.replay()
 
     def _upload(self, t: Tensor) -> Tensor:
