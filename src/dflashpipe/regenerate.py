@@ -414,7 +414,8 @@ def run(
                 rows, model, tok, gen, budget, parts, max_batches, shard, identity, engine
             )
             if not finished:
-                log.info("stopped after %d batches; rerun to finish %s", max_batches, out_path)
+                log.info("stopped after %d %s; rerun to finish %s", max_batches,
+                         "part files" if engine == "static" else "batches", out_path)  # fmt: skip
                 return False
     order = {r["prompt_id"]: k for k, r in enumerate(rows)}
     seqs.sort(key=lambda r: order[r["prompt_id"]])  # stable: a prompt's answers by sample index
