@@ -235,3 +235,23 @@ def test_an_unsupported_family_is_refused_by_static_and_falls_back_on_auto(
         assert run(config(target, max_new_tokens=2), str(prompts), 0, str(tmp_path / "a.parquet"))
     assert "engine hf (regenerate.engine auto: transformers' generate(), since" in caplog.text
     assert pq.read_table(tmp_path / "a.parquet").schema.metadata[b"engine"] == b"hf"
+
+
+def test_draw_follows_temperature_top_k_and_top_p():
+    """Evenly spread uniforms land on each token as often as its probability after the filters."""
+    from dflashpipe.decoding.sampling import draw
+
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    u = (torch.arange(1000) + 0.5) / 1000  # (1000,)
+    logits = probs.log().expand(1000, 4)
+
+    def shares(**kw) -> list[float]:
+        tokens = draw(logits, u, Sampling(**kw))
+        return (torch.bincount(tokens, minlength=4) / 1000).tolist()
+
+    assert shares() == pytest.approx([0.5, 0.3, 0.15, 0.05], abs=2e-3)
+    assert shares(top_k=2) == pytest.approx([0.625, 0.375, 0, 0], abs=2e-3)
+    assert shares(top_p=0.8) == pytest.approx([0.625, 0.375, 0, 0], abs=2e-3)  # 0.5 + 0.3 reach it
+    assert shares(top_p=0.81) == pytest.approx([0.5 / 0.95, 0.3 / 0.95, 0.15 / 0.95, 0], abs=2e-3)
+    hot = probs.pow(0.5) / probs.pow(0.5).sum()  # temperature 2: p^(1/2), renormalized
+    assert shares(temperature=2.0) == pytest.approx(hot.tolist(), abs=2e-3)
