@@ -56,10 +56,10 @@ def fold_mask(mask: Tensor, groups: int) -> Tensor:
 
 def attend_cache(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float | None) -> Tensor:
     """Attention of queries q (N, Hq, Q, D) over whole static buffers k, v (N, Hkv, L, D) under a
-    folded mask (1 or N, 1, g*Q, L) -> (N, Hq, Q, D); N = 1 but for batched decoding (one
-    sequence per row). The g = Hq/Hkv query heads sharing a KV head
-    are folded into the query length (head h = kv*g + r, as HF's repeat_kv orders them), so no
-    backend needs GQA support and no buffer is expanded per step.
+    folded mask (1 or N, 1, g*Q, L) -> (N, Hq, Q, D); N = 1 but in batched decoding (a sequence
+    per row). The g = Hq/Hkv query heads sharing a KV head are folded into the query length
+    (head h = kv*g + r, as HF's repeat_kv orders them), so no backend needs GQA support and no
+    buffer is expanded per step.
 
     Uncompiled (CPU, prefill, graphs alone): SDPA's kernel. Compiled (a step's layer function,
     `compiled`): the same attention in plain ops as HF's eager attention computes it (scores in
@@ -303,7 +303,7 @@ def check_target_config(config, name: str = "target") -> None:
     if kind not in SUPPORTED_TARGETS:
         raise ValueError(
             f"StaticTarget supports model types {SUPPORTED_TARGETS}, not {kind!r}; "
-            "use the eager loop (speculative.py) for it"
+            "decode it with the eager loop (evaluate) or generate() (regenerate)"
         )
     layer_types = set(getattr(tc, "layer_types", None) or ["full_attention"])
     if layer_types != {"full_attention"} or getattr(tc, "sliding_window", None) is not None:

@@ -375,7 +375,8 @@ def engine_kind(gen: RegenerateConfig, target) -> tuple[str, str]:
     except ValueError as e:
         if gen.engine == "static":
             raise ConfigError(
-                f"regenerate.engine is static, but the target is refused: {e}"
+                f"regenerate.engine is static, but the static engine refuses the target: {e}; "
+                "set regenerate.engine to auto or hf"
             ) from None
         return "hf", f"regenerate.engine auto: transformers' generate(), since {e}"
     return "static", f"regenerate.engine: {gen.engine}"
