@@ -33,6 +33,7 @@ torch.profiler) and `--same-answers ROWS` (float32 greedy answers of attention i
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import time
 from dataclasses import dataclass
@@ -235,6 +236,7 @@ def compare(args, device: torch.device) -> list[dict]:
                        tok_s_bound_share=row["tok_s"] / row["bound_tok_s"])  # fmt: skip
             rows.append(row)
             print(json.dumps(row), flush=True)
+            gc.collect()  # the engine's graphs and cache (its steps hold it in a cycle)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
         del model

@@ -170,8 +170,11 @@ def capture(fn: Callable[[], None], device: torch.device, pool) -> torch.cuda.CU
 
 
 def bucket(n: int, capacity: int) -> int:
-    """A prefill length: the next power of two >= n (MIN_BUCKET at least), within capacity."""
-    return min(max(MIN_BUCKET, 1 << (n - 1).bit_length()), capacity)
+    """A prefill length for n tokens: the smallest power of two or 1.5 x a power of two >= n
+    (MIN_BUCKET at least), within capacity: few shapes, at most a third of a chunk padding
+    (powers of two alone pad a 767-token prompt to 1,024)."""
+    p = max(MIN_BUCKET, 1 << (n - 1).bit_length())  # (n,) <= p
+    return min(p * 3 // 4 if p > MIN_BUCKET and p * 3 // 4 >= n else p, capacity)
 
 
 class BatchedEngine:
