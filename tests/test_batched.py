@@ -191,8 +191,10 @@ def test_too_many_rows_for_the_memory_are_refused(tiny, tiny_target_dir, tmp_pat
     with pytest.raises(ValueError, match=r"4 rows x 64 slots need .* GiB budget on cpu"):
         BatchedEngine(model, rows=4, capacity=64, memory_budget=need)
     prompts = write_questions(tmp_path / "p.parquet", 2)
+    out = tmp_path / "o.parquet"
     with pytest.raises(ConfigError, match=r"regenerate\.batch_size 100000000: .*more than"):
-        run(config(tiny_target_dir, batch_size=10**8), str(prompts), 0, str(tmp_path / "o.parquet"))
+        run(config(tiny_target_dir, batch_size=10**8), str(prompts), 0, str(out))
+    assert not out.exists() and not PartStore(out).dir.exists()  # nothing written
 
 
 def test_a_prompt_longer_than_the_cache_is_refused_before_decoding(tiny):

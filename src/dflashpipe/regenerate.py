@@ -316,6 +316,10 @@ def decode_static(model, rows, prompts, batches, gen, eot, parts, max_parts, sha
     order = [i for b in batches for i in b]
     jobs = [(s, i) for s in range(gen.samples_per_prompt) for i in order]
     capacity = max((len(prompts[i]) for i in order), default=0) + gen.max_new_tokens
+    try:  # refused before anything is written
+        engine = BatchedEngine(model, gen.batch_size, capacity)
+    except ValueError as e:
+        raise ConfigError(f"regenerate.batch_size {gen.batch_size}: {e}") from None
     parts.bind(plan_digest(gen, target, ["static", capacity], [[prompts[i] for i in order]], shard))
     done, size = parts.done(), gen.save_every
     todo = {k: range(k, min(k + size, len(jobs))) for k in range(0, len(jobs), size)}
@@ -325,10 +329,6 @@ def decode_static(model, rows, prompts, batches, gen, eot, parts, max_parts, sha
                  len(todo) + len(done), parts.dir)  # fmt: skip
     if not todo:
         return True
-    try:
-        engine = BatchedEngine(model, gen.batch_size, capacity)
-    except ValueError as e:
-        raise ConfigError(f"regenerate.batch_size {gen.batch_size}: {e}") from None
     log.info("static engine: %d row slots x %d cache slots, CUDA graphs %s, compiled %s",
              engine.rows, engine.capacity, engine.graphs, engine.compiled)  # fmt: skip
     names = [n for r in todo.values() for n in r]  # request index -> job index
