@@ -214,6 +214,8 @@ def test_bad_sampling_settings_are_refused():
             config("unused", top_p=top_p)
     with pytest.raises(ConfigError, match=r"regenerate\.engine"):
         config("unused", engine="vllm")
+    with pytest.raises(ConfigError, match=r"regenerate\.cache is 'static' with regenerate\.engine"):
+        config("unused", engine="static", cache="static")
 
 
 def test_an_unsupported_family_is_refused_by_static_and_falls_back_on_auto(

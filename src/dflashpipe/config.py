@@ -221,11 +221,14 @@ class RegenerateConfig:
     max_prompt_tokens: int | None = None
     samples_per_prompt: int = 1
     greedy_first: bool = True
-    engine: str = "auto"  # auto | static (decoding/batched.py) | hf (generate())
+    engine: str = "auto"
 
     def __post_init__(self) -> None:
-        if self.engine not in ("auto", "static", "hf"):
-            raise ConfigError(f"regenerate.engine is {self.engine!r}; expected auto, static or hf")
+        if self.engine == "static" and self.cache != "auto":
+            raise ConfigError(
+                f"regenerate.cache is {self.cache!r} with regenerate.engine static: the cache "
+                "setting is generate()'s (engine hf) and the static engine would ignore it"
+            )
         n = self.samples_per_prompt
         if n > 1 and self.temperature == 0:
             raise ConfigError(
