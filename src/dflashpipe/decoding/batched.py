@@ -1,35 +1,24 @@
 """Batched, continuous generation over a static KV cache: regenerate's engine.
 
     requests ─► queue ─► a free row slot ─► refill: the prompt but its last token prefilled
-                  ▲                          into the row's cache (the refills of one length
-                  │                          bucket in one forward); the last token is the
-                  │                          row's next input, so every answer token comes
-                  │                          from a decode step
-                  │
-    decode step   all R rows, one fixed shape (one CUDA graph on CUDA; eager on the CPU):
+                  ▲                          into the row's cache (refills of one length bucket
+                  │                          in one forward); the last token is the row's next
+                  │                          input, so every answer token comes from a step
+    decode step   all R rows, one fixed shape (a CUDA graph on CUDA; eager on the CPU):
                   token (R,) at position length (R,) -> logits (R, V) -> greedy or sampled
-                  token; active rows: length += 1, produced += 1, done = a stop token or
-                  produced == the row's limit; read back [emitted, token, done] (3, R)
-                  │
-    host          appends the emitted tokens; a done row yields its Answer and frees its slot
+                  token; active rows: length += 1, produced += 1, done = a stop token or the
+                  row's limit; read back [emitted, token, done] (3, R)
+    host          appends the emitted tokens; a done row yields its Answer, frees its slot ─┘
 
-Cache: one buffer (2 x layers, R + 1, n_kv, capacity, D) (K of layer i at i, V at layers + i);
-row r holds its sequence at slots = positions 0..length-1, so a row never depends on which slot
-it landed in or on its neighbours. Row R is scratch: prefill chunks are padded to a power-of-two
-row count (few shapes) and their pad rows write there. The step attends over each row's whole
-buffer under a length mask: its shape never changes, and a slot past a row's length is masked
-until the row's own step writes it.
+Cache: one buffer (2 x layers, R + 1, n_kv, capacity, D); row r holds its sequence at slots =
+positions 0..length-1, so nothing depends on the slot a request lands in or on its neighbours
+(sampling too: sampling.py). Row R is scratch, written by the pad rows of prefill chunks (padded
+to a power-of-two row count: few shapes). The step attends over each row's whole buffer under a
+length mask, so its shape never changes.
 
-Pipelined by one step: the host reads back step t-1 while step t runs, and refills the rows that
-step t-1 finished after step t, so a finished row idles exactly one step and the device waits
-on no host work. That read-back is the only host sync per step (prefills add host-to-device
-copies only).
-
-Sampling: each sampled request's generator (torch.Generator seeded with its `seed`) draws one
-uniform per answer token at refill; answer token t is the inverse CDF at u_t of the
-temperature / top-k / top-p distribution (transformers' warper order). Nothing depends on the
-slot, the step or the other rows, so an answer is the same in any batch, R or resumed run
-(bit for bit where the kernels are: the CPU in float32).
+Pipelined by one step: the host reads step t-1 back while step t runs and refills the rows it
+finished after step t, so a finished row idles exactly one step and the device never waits on
+host work; that read-back is the step's only sync (refills add host-to-device copies only).
 """
 
 from __future__ import annotations
