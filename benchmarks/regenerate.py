@@ -1,95 +1,191 @@
-"""Generation throughput of the regenerate stage's batching vs plain `generate()` at batch 1.
+"""Regenerate's decoding: the batched static-cache engine (decoding/batched.py) against today's
+generate() path (padded, length-sorted batches, static cache), in one run, at two shapes:
 
-Target: a SmolLM2-135M-shaped Llama (the config in benchmarks/smollm2-135m.json, read from the
-GGUF's metadata) with random bf16 weights: speed does not depend on weight values. Random weights
-never emit EOS, so every row generates exactly `--new-tokens` tokens.
+    recipe     configs/smollm2-sharegpt.yaml: a SmolLM2-135M-shaped Llama (benchmarks/
+               smollm2-135m.json, from the GGUF's metadata), 1,024 rows, prompts drawn from the
+               recipe's real prompt lengths (benchmarks/smollm2-sharegpt-prompt-lengths.json:
+               the 22,880 prompts of <= 512 tokens it answers, mean 176), real stopping drawn
+               from its answers' lengths (below), max_new_tokens 256: cache 512 + 256 slots
+    qwen3-8b   Qwen3-8B's shapes (36 layers, hidden 4,096, 8 KV heads): 256 rows, prompts of 768
+               tokens answered to 256: 1K-token contexts
 
-    python benchmarks/regenerate.py --batch-sizes 1 32 128 256 --new-tokens 256 --out $OUT/regen.json
-    python benchmarks/regenerate.py --batch-sizes 256 512 --caches static --width 512 \
-        --lengths-file lengths.json     # a real prompt table's token counts, every batch at 512
+Random bf16 weights (speed does not depend on weight values); they never emit a stop token, so
+each request carries its answer's length: the engine refills a row when it is reached, and
+generate() decodes a batch until its longest answer ends (as it does with real answers). Real
+stopping at the recipe's shapes: 65.1% of its answers reach the 256-token cap (RESULTS.md: 14,903
+of 22,880) and the others average 95 tokens (8.60 M tokens over 22,880 sequences whose prompts
+average 176): drawn uniformly from 1..190. `--answer-lengths FILE` takes real ones instead.
 
-    python benchmarks/regenerate.py --batch-sizes 512 1024 --caches static --width 512 \
-        --lengths-file benchmarks/smollm2-sharegpt-prompt-lengths.json \
-        --attns sdpa hf_sdpa flex_attention   # attention kernels at the recipe's shapes
-    python benchmarks/regenerate.py --profile 1024 --caches static --width 512 --new-tokens 64 \
-        --lengths-file benchmarks/smollm2-sharegpt-prompt-lengths.json   # where a step's time goes
-    python benchmarks/regenerate.py --same-answers 64 --attns sdpa hf_sdpa --width 512 \
-        --new-tokens 48 --lengths-file benchmarks/smollm2-sharegpt-prompt-lengths.json
+Printed per shape and path: generated tok/s (useful tokens over the whole run: prefills, refills
+and the tail included) and the ms per decode step, each against its HBM-bandwidth bound: the
+bytes a step reads (the weights once, the embedding table only where the LM head is not it, and
+the whole static cache the step attends over: rows x slots x layers x 2 x kv_heads x head_dim x
+2 bytes) over 4.8 TB/s (H200). The engine's step is timed alone too (idle rows, same kernels).
 
-benchmarks/smollm2-sharegpt-prompt-lengths.json: the token counts (chat template applied) of the
-22,880 prompts of configs/smollm2-sharegpt.yaml's train table that regenerate answers (<= 512
-tokens; mean 176), from the table rebuilt on 2026-12-04.
+    python benchmarks/regenerate.py --out $OUT/regen.json                  # both shapes, both paths
+    python benchmarks/regenerate.py --shapes qwen3-8b --paths engine       # one cell
+    python benchmarks/regenerate.py --smoke                                # CPU, tiny shapes, < 1 min
 
-Prints one table: generated tokens/s per batch size and per method, and the ratio to plain
-`generate()` at batch 1 measured in the same run. `--attns`: the target's attention
-implementation per row, as `target.attn_implementation` names it (the model rebuilt and compile
-caches reset for each): `sdpa` is the stage's (dflashpipe.attention: the query heads of a KV head
-folded into the query length), `hf_sdpa` transformers' own, which under a padding mask on CUDA
-copies each KV head over its query heads (a copy of the cache per layer per step).
+Diagnostics of the generate() path (CUDA): `--profile BATCH` (where a batch's step time goes,
+torch.profiler) and `--same-answers ROWS` (float32 greedy answers of attention implementations).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+from transformers import (
+    GenerationConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 from dflashpipe import attention
-from dflashpipe.regenerate import generate_batch
+from dflashpipe.decoding.batched import BatchedEngine, Request
+from dflashpipe.decoding.hf_generate import generate_batch
 
 HERE = Path(__file__).resolve().parent
+HBM_BYTES_PER_S = 4.8e12  # H200
+AT_CAP, STOPPED_MEAN = 14903 / 22880, 95  # the recipe's answers (module docstring)
+QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+                num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                max_position_embeddings=40960, rope_theta=1e6, tie_word_embeddings=False)  # fmt: skip
 
 
-def build_model(device: torch.device, attn: str = "sdpa") -> LlamaForCausalLM:
-    """The SmolLM2 shape with `attn` as the config's target.attn_implementation names it ("sdpa":
-    the stage's folded SDPA, "hf_sdpa": transformers' own; see the docstring)."""
-    torch._dynamo.reset()  # compiled decode steps of the previous model/attention go
-    config = LlamaConfig(
-        **json.loads((HERE / "smollm2-135m.json").read_text()),
-        attn_implementation=attention.implementation(attn),
-    )
+@dataclass
+class Shape:
+    name: str
+    rows: int  # the engine's row slots = generate()'s batch
+    requests: int
+    max_new: int
+    prompt: int | None  # every prompt's length, or None: the recipe's lengths file
+    real_stops: bool  # answer lengths from the recipe's distribution, else all max_new
+    width: int  # generate()'s padded prompt width (the stage pads to the shard's widest)
+
+
+SHAPES = {
+    "recipe": Shape("recipe", 1024, 4096, 256, None, True, 512),
+    "qwen3-8b": Shape("qwen3-8b", 256, 512, 256, 768, False, 1024),
+}
+SMOKE = {
+    "recipe": Shape("recipe", 4, 12, 16, None, True, 64),
+    "qwen3-8b": Shape("qwen3-8b", 4, 8, 8, 24, False, 64),
+}
+
+
+def build_model(name: str, device: torch.device, smoke: bool = False, attn: str = "sdpa"):
+    """Random weights in the shape's architecture (bf16 on CUDA, float32 on the CPU); `attn`:
+    the attention of generate() as target.attn_implementation names it."""
+    torch._dynamo.reset()  # compiled steps of a previous model go
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    impl = attention.implementation(attn)
+    if name == "recipe":
+        sizes = json.loads((HERE / "smollm2-135m.json").read_text())
+        tiny = dict(vocab_size=512, hidden_size=72, intermediate_size=128, num_hidden_layers=2,
+                    head_dim=8)  # fmt: skip
+        config = LlamaConfig(**{**sizes, **(tiny if smoke else {})}, attn_implementation=impl)
+        cls = LlamaForCausalLM
+    else:
+        tiny = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=16)  # fmt: skip
+        config = Qwen3Config(**{**QWEN3_8B, **(tiny if smoke else {})}, attn_implementation=impl)
+        cls = Qwen3ForCausalLM
     torch.manual_seed(0)
-    with torch.device(device):
-        model = LlamaForCausalLM(config).to(torch.bfloat16)
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)  # an 8B model built in float32 first would take 32 GB
+    try:
+        with torch.device(device):
+            model = cls(config)
+    finally:
+        torch.set_default_dtype(before)
     return model.eval().requires_grad_(False)
 
 
-def prompts(n: int, vocab: int, seed: int = 0, lengths_file: str | None = None) -> list[list[int]]:
-    """n random prompts of 40-200 tokens, or of lengths drawn from a JSON list (e.g. a real
-    prompt table's token counts)."""
+def prompts(n: int, vocab: int, seed: int = 0, lengths_file: str | None = None,
+            length: int | None = None, cap: int | None = None) -> list[list[int]]:  # fmt: skip
+    """n random prompts of `length` tokens, or of lengths drawn from a JSON list (a real prompt
+    table's token counts; at most `cap`), or of 40-200 tokens."""
     g = torch.Generator().manual_seed(seed)
-    if lengths_file:
+    if length:
+        lengths = [length] * n
+    elif lengths_file:
         pool = torch.tensor(json.loads(Path(lengths_file).read_text()))
-        lengths = pool[torch.randint(len(pool), (n,), generator=g)].tolist()
+        lengths = pool[torch.randint(len(pool), (n,), generator=g)].clamp(max=cap).tolist()
     else:
         lengths = torch.randint(40, 200, (n,), generator=g).tolist()
     return [torch.randint(100, vocab, (k,), generator=g).tolist() for k in lengths]
 
 
-def timed(fn) -> float:
-    torch.cuda.synchronize()
+def answer_lengths(n: int, cap: int, real: bool, seed: int = 1, file: str | None = None):
+    """Each request's answer length: the recipe's stopping (module docstring), a file's, or cap."""
+    g = torch.Generator().manual_seed(seed)
+    if file:
+        pool = torch.tensor(json.loads(Path(file).read_text()))
+        return pool[torch.randint(len(pool), (n,), generator=g)].clamp(1, cap).tolist()
+    if not real:
+        return [cap] * n
+    stopped = torch.randint(1, min(cap, 2 * STOPPED_MEAN + 1), (n,), generator=g)
+    return torch.where(torch.rand(n, generator=g) < AT_CAP, cap, stopped).tolist()
+
+
+def step_bytes(model, rows: int, slots: int) -> int:
+    """What one decode step of `rows` rows over a static cache of `slots` slots reads: every
+    weight once (the input embedding only where it is the LM head too: otherwise a step reads
+    `rows` of its rows), and the whole cache (K and V of every layer)."""
+    embed = model.get_input_embeddings().weight
+    tied = embed.data_ptr() == model.get_output_embeddings().weight.data_ptr()
+    seen, weights = set(), 0
+    for p in model.parameters():
+        if p.data_ptr() not in seen and (tied or p is not embed):
+            seen.add(p.data_ptr())
+            weights += p.numel() * p.element_size()
+    attn = model.get_decoder().layers[0].self_attn
+    kv = len(model.get_decoder().layers) * 2 * attn.k_proj.weight.numel() // attn.k_proj.in_features
+    return weights + rows * slots * kv * embed.element_size()
+
+
+def timed(fn, device: torch.device) -> float:
+    sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
+    sync()
     start = time.perf_counter()
     fn()
-    torch.cuda.synchronize()
+    sync()
     return time.perf_counter() - start
 
 
-def bench_plain(model, ps, new_tokens: int) -> float:
-    """Reference: plain generate(), one prompt at a time."""
-    cfg = GenerationConfig(
-        max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0
-    )
-
-    def go():
-        for p in ps:
-            model.generate(input_ids=torch.tensor([p], device=model.device), generation_config=cfg)
-
-    model.generate(input_ids=torch.tensor([ps[0]], device=model.device), generation_config=cfg)
-    return len(ps) * new_tokens / timed(go)
+def bench_engine(model, shape: Shape, ps, lengths) -> dict:
+    """The engine over every request (after a warm-up call that captures and compiles), then its
+    step alone (idle rows). Recompiling during the timed run fails loudly."""
+    slots = max(map(len, ps)) + shape.max_new
+    engine = BatchedEngine(model, shape.rows, slots)
+    requests = [
+        Request(str(i), p, None, n) for i, (p, n) in enumerate(zip(ps, lengths, strict=True))
+    ]
+    short = [Request(r.name, r.prompt, None, 2) for r in requests[: 2 * shape.rows]]
+    warm = timed(lambda: list(engine.generate(short, 2, set())), engine.device)
+    before = dict(engine.stats)
+    torch._dynamo.config.error_on_recompile = True
+    try:
+        wall = timed(lambda: list(engine.generate(requests, shape.max_new, set())), engine.device)
+        steps = engine.stats["steps"] - before["steps"]
+        step = timed(lambda: engine.idle_steps(20), engine.device) / 20
+    finally:
+        torch._dynamo.config.error_on_recompile = False
+    bound = step_bytes(model, shape.rows, engine.capacity) / HBM_BYTES_PER_S
+    row = {"path": "engine", "tok_s": sum(lengths) / wall, "bound_tok_s": shape.rows / bound,
+           "step_ms": 1e3 * wall / steps, "step_alone_ms": 1e3 * step, "bound_ms": 1e3 * bound,
+           "warmup_s": warm, "steps": steps, "slots": engine.capacity,
+           "prefills": engine.stats["prefills"] - before["prefills"],
+           "captures_in_run": engine.stats["captures"] - before.get("captures", 0)}  # fmt: skip
+    return row
 
 
 def stage_config(new_tokens: int, cache: str) -> GenerationConfig:
@@ -99,36 +195,84 @@ def stage_config(new_tokens: int, cache: str) -> GenerationConfig:
                             pad_token_id=0, eos_token_id=[1], cache_implementation=cache)  # fmt: skip
 
 
-def bench_stage(model, ps, batch: int, new_tokens: int, cache: str, width: int = 0) -> float:
-    """The stage's path: left-padded, length-sorted batches through generate_batch (width: every
-    batch padded to at least this, as the stage pads a static-cache shard to its widest prompt)."""
-    cfg = stage_config(new_tokens, cache)
-    ps = sorted(ps, key=len, reverse=True)
+def bench_generate(model, shape: Shape, ps, lengths, batches: int | None) -> dict:
+    """Today's path: length-sorted batches of `rows` padded to the shape's width, each decoded
+    until its longest answer ends (compiled static cache on CUDA); `batches`: the first few."""
+    cache = "static" if model.device.type == "cuda" else "dynamic"
+    order = sorted(range(len(ps)), key=lambda i: -len(ps[i]))
+    groups = [order[i : i + shape.rows] for i in range(0, len(order), shape.rows)][:batches]
 
-    def go():
-        for i in range(0, len(ps), batch):
-            generate_batch(model, ps[i : i + batch], cfg, {1}, batch, width)
+    def batch(group: list[int]) -> None:
+        new = max(lengths[i] for i in group)
+        generate_batch(model, [ps[i] for i in group], stage_config(new, cache), {1}, shape.rows,
+                       shape.width)  # fmt: skip
 
-    generate_batch(model, ps[:batch], cfg, {1}, batch, width)  # warm-up (allocator, compile)
-    return len(ps) * new_tokens / timed(go)
+    warm = timed(lambda: batch(groups[0]), model.device)  # compiles the decode step
+    wall = sum(timed(lambda g=g: batch(g), model.device) for g in groups)
+    steps = sum(max(lengths[i] for i in g) for g in groups)
+    useful = sum(lengths[i] for g in groups for i in g)
+    bound = step_bytes(model, shape.rows, shape.width + shape.max_new) / HBM_BYTES_PER_S
+    return {"path": "generate()", "tok_s": useful / wall, "bound_tok_s": shape.rows / bound,
+            "step_ms": 1e3 * wall / steps, "bound_ms": 1e3 * bound, "warmup_s": warm,
+            "steps": steps, "slots": shape.width + shape.max_new}  # fmt: skip
 
 
-def profile(model, ps, batch: int, new_tokens: int, cache: str, width: int, name: str) -> None:
-    """Where one batch's time goes: the stage's path (generate_batch) under torch.profiler after
-    a warm-up batch; prints the wall time per decoding step, how much of it the GPU was busy,
-    and the ops with the most self time on the GPU and on the CPU."""
+def compare(args, device: torch.device) -> list[dict]:
+    rows = []
+    for name in args.shapes:
+        shape = (SMOKE if args.smoke else SHAPES)[name]
+        model = build_model(name, device, args.smoke)
+        lengths_file = str(HERE / "smollm2-sharegpt-prompt-lengths.json")
+        cap = shape.width if shape.prompt is None else None
+        ps = prompts(shape.requests, model.config.vocab_size, 0, lengths_file, shape.prompt, cap)
+        lengths = answer_lengths(len(ps), shape.max_new, shape.real_stops, 1, args.answer_lengths)
+        for path in args.paths:
+            if path == "engine":
+                row = bench_engine(model, shape, ps, lengths)
+            else:
+                row = bench_generate(model, shape, ps, lengths, args.generate_batches)
+            row.update(shape=name, rows=shape.rows, tokens_per_answer=sum(lengths) / len(ps),
+                       step_bound_share=row["bound_ms"] / row.get("step_alone_ms", row["step_ms"]),
+                       tok_s_bound_share=row["tok_s"] / row["bound_tok_s"])  # fmt: skip
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            gc.collect()  # the engine's graphs and cache (its steps hold it in a cycle)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        del model
+    return rows
+
+
+def report(rows: list[dict]) -> None:
+    print(f"\n{'shape':<10}{'path':<12}{'rows':>6}{'tok/s':>10}{'bound':>10}{'share':>7}"
+          f"{'ms/step':>9}{'alone':>8}{'bound':>8}{'share':>7}")  # fmt: skip
+    for r in rows:
+        alone = f"{r['step_alone_ms']:8.2f}" if "step_alone_ms" in r else f"{'-':>8}"
+        print(f"{r['shape']:<10}{r['path']:<12}{r['rows']:>6}{r['tok_s']:>10.0f}"
+              f"{r['bound_tok_s']:>10.0f}{r['tok_s_bound_share']:>7.0%}{r['step_ms']:>9.2f}"
+              f"{alone}{r['bound_ms']:>8.3g}{r['step_bound_share']:>7.0%}")  # fmt: skip
+    by = {(r["shape"], r["path"]): r["tok_s"] for r in rows}
+    for shape in dict.fromkeys(r["shape"] for r in rows):
+        if (shape, "engine") in by and (shape, "generate()") in by:
+            print(f"{shape}: engine {by[shape, 'engine'] / by[shape, 'generate()']:.2f}x "
+                  "generate()'s generated tok/s")  # fmt: skip
+
+
+def profile(model, ps, batch: int, new_tokens: int, width: int) -> None:
+    """Where one generate() batch's time goes (the stage's path, static cache, after a warm-up
+    batch): wall time per decoding step, how much of it the GPU was busy, and the ops with the
+    most self time on the GPU and on the CPU."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    cfg = stage_config(new_tokens, cache)
+    cfg = stage_config(new_tokens, "static")
     rows = sorted(ps, key=len, reverse=True)[:batch]
     generate_batch(model, rows, cfg, {1}, batch, width)  # warm-up (allocator, compile)
-    acts = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
-    with torch_profile(activities=acts) as prof:
-        wall = timed(lambda: generate_batch(model, rows, cfg, {1}, batch, width))
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        wall = timed(lambda: generate_batch(model, rows, cfg, {1}, batch, width), model.device)
     events = prof.key_averages()
     gpu_us = sum(e.self_device_time_total for e in events)
-    print(f"\n== {name}: batch {batch}, {new_tokens} new tokens: {wall:.2f} s, "
+    print(f"\n== batch {batch}, {new_tokens} new tokens: {wall:.2f} s, "
           f"{1e3 * wall / new_tokens:.1f} ms per step, GPU busy {gpu_us / 1e6:.2f} s "
           f"({gpu_us / 1e4 / wall:.0f}%)", flush=True)  # fmt: skip
     for key in ("self_device_time_total", "self_cpu_time_total"):
@@ -136,14 +280,13 @@ def profile(model, ps, batch: int, new_tokens: int, cache: str, width: int, name
 
 
 def same_answers(device, ps, attns: list[str], new_tokens: int, width: int) -> None:
-    """Whether the attention implementations give the same greedy answers: float32, one static-
-    cache batch of these prompts through the stage's path (compiled decoding); prints how many
-    rows of each match the first's."""
+    """Whether attention implementations give generate() the same float32 greedy answers: one
+    static-cache batch of these prompts each; prints how many rows match the first's."""
     cfg = stage_config(new_tokens, "static")
     rows = sorted(ps, key=len, reverse=True)
     answers = {}
     for attn in attns:
-        model = build_model(device, attn).float()
+        model = build_model("recipe", device, attn=attn).float()
         answers[attn] = generate_batch(model, rows, cfg, {1}, len(rows), width)
         del model
         torch.cuda.empty_cache()
@@ -154,58 +297,38 @@ def same_answers(device, ps, attns: list[str], new_tokens: int, width: int) -> N
               f"(float32, {new_tokens} greedy tokens)", flush=True)  # fmt: skip
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 32, 128, 256])
-    ap.add_argument("--new-tokens", type=int, default=256)
-    ap.add_argument("--prompts", type=int, default=512)
-    ap.add_argument("--caches", nargs="+", default=["dynamic", "static"])
-    ap.add_argument("--out", default="regen.json")
-    ap.add_argument("--lengths-file", default=None, help="JSON list of prompt lengths to draw from")
-    ap.add_argument("--width", type=int, default=0, help="pad every batch to at least this width")
-    ap.add_argument("--attns", nargs="+", default=["sdpa"],
-                    help="attention implementations: sdpa, hf_sdpa, flex_attention, eager")  # fmt: skip
+def main(argv: list[str] | None = None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
+    ap.add_argument("--paths", nargs="+", choices=["engine", "generate"],
+                    default=["engine", "generate"])  # fmt: skip
+    ap.add_argument("--generate-batches", type=int, default=None,
+                    help="time only the first N generate() batches (default: all)")  # fmt: skip
+    ap.add_argument("--answer-lengths", default=None, help="JSON list of real answer lengths")
+    ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes (the suite runs it)")
+    ap.add_argument("--out", default=None, help="write the rows as JSON here")
     ap.add_argument("--profile", type=int, default=0, metavar="BATCH",
-                    help="instead: profile one batch of BATCH rows per --attns/--caches through "
-                         "the stage's path (after a warm-up) and print its top ops")  # fmt: skip
+                    help="instead: profile one generate() batch of BATCH recipe rows")  # fmt: skip
     ap.add_argument("--same-answers", type=int, default=0, metavar="ROWS",
-                    help="instead: compare the --attns' float32 greedy answers on ROWS prompts")  # fmt: skip
-    args = ap.parse_args()
-    device = torch.device("cuda")
-    model = build_model(device)
-    ps = prompts(args.prompts, model.config.vocab_size, lengths_file=args.lengths_file)
-    if args.same_answers:
-        same_answers(device, ps[: args.same_answers], args.attns, args.new_tokens, args.width)
-        return
-    if args.profile:
-        for attn in args.attns:
-            for cache in args.caches:
-                profile(build_model(device, attn), ps, args.profile, args.new_tokens, cache,
-                        args.width, f"{attn}, {cache} cache")  # fmt: skip
-        return
-    base = bench_plain(model, ps[:8], args.new_tokens)
-    rows = [{"method": "generate() batch 1", "batch": 1, "tok_s": base, "ratio": 1.0}]
-    for attn in args.attns:
-        del model
-        torch.cuda.empty_cache()
-        model = build_model(device, attn)
-        for cache in args.caches:
-            for b in args.batch_sizes:
-                n = max(b, min(len(ps), 2 * b))
-                try:
-                    tok_s = bench_stage(model, ps[:n], b, args.new_tokens, cache, args.width)
-                except Exception as e:  # one kernel failing must not lose the others' rows
-                    print(f"{attn} {cache} batch {b}: {type(e).__name__}: {e}"[:500], flush=True)
-                    continue
-                rows.append({"method": f"stage ({cache} cache, {attn})", "batch": b,
-                             "tok_s": tok_s, "ratio": tok_s / base})  # fmt: skip
-                print(json.dumps(rows[-1]), flush=True)
-    Path(args.out).write_text(
-        json.dumps({"device": torch.cuda.get_device_name(), "rows": rows}, indent=2)
-    )
-    print(f"\n{'method':<42}{'batch':>6}{'tok/s':>12}{'x base':>9}")
-    for r in rows:
-        print(f"{r['method']:<42}{r['batch']:>6}{r['tok_s']:>12.0f}{r['ratio']:>9.1f}")
+                    help="instead: compare --attns' float32 greedy answers on ROWS prompts")  # fmt: skip
+    ap.add_argument("--attns", nargs="+", default=["sdpa", "hf_sdpa"])
+    ap.add_argument("--new-tokens", type=int, default=64, help="--profile / --same-answers")
+    args = ap.parse_args(argv)
+    device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
+    if args.profile or args.same_answers:
+        lengths = str(HERE / "smollm2-sharegpt-prompt-lengths.json")
+        ps = prompts(max(args.profile, args.same_answers), 49152, 0, lengths, cap=512)
+        if args.same_answers:
+            same_answers(device, ps, args.attns, args.new_tokens, 512)
+        else:
+            profile(build_model("recipe", device), ps, args.profile, args.new_tokens, 512)
+        return []
+    rows = compare(args, device)
+    report(rows)
+    if args.out:
+        name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+        Path(args.out).write_text(json.dumps({"device": name, "rows": rows}, indent=2))
+    return rows
 
 
 if __name__ == "__main__":

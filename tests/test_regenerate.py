@@ -170,14 +170,15 @@ def test_batches_are_length_sorted():
 
 
 def test_static_cache_decodes_like_dynamic(tiny_target_dir, prompts_file, tmp_path):
-    """The GPU default (static KV cache) must give the same greedy answers as the CPU one."""
-    run(_cfg(tiny_target_dir, cache="dynamic"), str(prompts_file), 0, str(tmp_path / "d.parquet"))
-    run(_cfg(tiny_target_dir, cache="static"), str(prompts_file), 0, str(tmp_path / "s.parquet"))
+    """generate()'s GPU default (static KV cache) gives the same greedy answers as its CPU one."""
+    for cache in ("dynamic", "static"):
+        cfg = _cfg(tiny_target_dir, cache=cache, engine="hf")
+        run(cfg, str(prompts_file), 0, str(tmp_path / f"{cache[0]}.parquet"))
     assert _table(tmp_path / "d.parquet").to_pylist() == _table(tmp_path / "s.parquet").to_pylist()
 
 
 def test_padded_shapes_are_few():
-    from dflashpipe.regenerate import padded_shape
+    from dflashpipe.decoding.hf_generate import padded_shape
 
     assert padded_shape([3, 10], 4) == (4, 64)
     assert padded_shape([65, 100], 2) == (2, 128)
@@ -187,8 +188,8 @@ def test_padded_shapes_are_few():
 
 
 def test_static_cache_batches_share_the_widest_shape(tiny_target_dir, tmp_path, caplog):
-    """One long prompt: with a static cache every batch is padded to its width (one decode graph),
-    and the answers are still those of the dynamic cache's per-batch widths."""
+    """generate() and one long prompt: with a static cache every batch is padded to its width
+    (one decode graph), and the answers are still those of the dynamic cache's per-batch widths."""
     questions = [*QUESTIONS[:5], " ".join(["Please summarize the following list:"] + QUESTIONS)]
     prompts = []
     for i, q in enumerate(questions):
@@ -199,8 +200,8 @@ def test_static_cache_batches_share_the_widest_shape(tiny_target_dir, tmp_path, 
     for cache in ("dynamic", "static"):
         caplog.clear()
         with caplog.at_level("INFO", logger="dflashpipe.regenerate"):
-            run(_cfg(tiny_target_dir, cache=cache, shards=1), str(tmp_path / "p.parquet"), 0,
-                str(tmp_path / f"{cache}.parquet"))  # fmt: skip
+            run(_cfg(tiny_target_dir, cache=cache, shards=1, engine="hf"),
+                str(tmp_path / "p.parquet"), 0, str(tmp_path / f"{cache}.parquet"))  # fmt: skip
         shapes[cache] = [
             m.split("shape ")[1].split(":")[0] for m in caplog.messages if "shape" in m
         ]

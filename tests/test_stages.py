@@ -13,6 +13,7 @@ from conftest import REPO, SNAKEMAKE
 from dflashpipe import stages
 from dflashpipe.config import Config, _schema
 from dflashpipe.errors import ConfigError
+from dflashpipe.preflight import check_config
 
 # Valid other values where the schema alone does not give one (null defaults, free strings,
 # lists, keys whose change needs another key to stay valid).
@@ -35,7 +36,7 @@ OTHER = {
     "extract.encode_workers": 3,
     "drafter.target_layer_ids": [0, 1],
     "drafter.mask_token_id": 5,
-    "drafter.sliding_window": 64,
+    "drafter.sliding_window": {"drafter.sliding_window": 64, "drafter.num_layers": 2},
     "train.betas": [0.9, 0.999],
     "train.extra_features": ["other/manifest.json"],
     "train.micro_batch_tokens": 1024,
@@ -143,6 +144,7 @@ def test_key_change_matrix(base):
         change = _other(key, stages.value(base.raw, key))
         try:
             edited = Config.from_dict(_edited(base.raw, change))
+            check_config(edited)
         except ConfigError as e:
             raise AssertionError(f"{key}: the other value {change} is not valid: {e}") from None
         direct = {s for s in stages.STAGES if stages.digest(base, s) != stages.digest(edited, s)}

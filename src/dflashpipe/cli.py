@@ -151,7 +151,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--max-batches",
         type=int,
-        help="stop after this many batches (exit 3); a rerun continues where it stopped",
+        help="stop after this many batches (the engine: part files) (exit 3); a rerun "
+        "continues where it stopped",
     )
 
     p = add(

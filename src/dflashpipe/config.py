@@ -293,8 +293,14 @@ class RegenerateConfig:
     max_prompt_tokens: int | None
     samples_per_prompt: int
     greedy_first: bool
+    engine: str
 
     def check(self) -> None:
+        if self.engine == "static" and self.cache != "auto":
+            raise ConfigError(
+                f"regenerate.cache is {self.cache!r} with regenerate.engine static: the cache "
+                "setting is generate()'s (engine hf) and the static engine would ignore it"
+            )
         n = self.samples_per_prompt
         if n > 1 and self.temperature == 0:
             raise ConfigError(

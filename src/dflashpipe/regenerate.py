@@ -1,20 +1,24 @@
 """Stage 2, regenerate: the target answers the training prompts of one shard.
 
-    prompts/train.parquet ──(rows i::n)──► length-sorted batches ──► per sample index s < n:
-        generate (left padding) ──► part files every `save_every` prompts
-        ──► identical answers to one prompt dropped ──► sequences/shard-{i:05d}.parquet
+    prompts/train.parquet ──(rows i::n)──► length-sorted plan ──► samples_per_prompt answers each
+        static (regenerate.engine): the batched engine (decoding/batched.py), every answer in
+                one stream, a row slot refilled as soon as its answer ends
+        hf:     generate() on left-padded batches, answer index s by s
+        ──► part files every `save_every` answers ──► identical answers to one prompt dropped
+        ──► sequences/shard-{i:05d}.parquet (the engine in its metadata)
 
 Each row holds exactly the tokens the target saw and produced (`input_ids`), a `loss_mask` that
 is 1 only on generated tokens, and a `finish_reason`; its `sample_id` is `{prompt_id}-{s}`.
 With `samples_per_prompt: n` every prompt is answered n times: answer 0 greedy (`greedy_first`),
-the others sampled at the stage's temperature / top_p / top_k. Every sampled batch draws from a
-generator seeded by (seed, shard, sample index, batch), so a rerun or a resumed run draws the same
-numbers; it gives the same answers where the kernels are deterministic (the CPU; batched bf16
-decoding on a GPU is not bit-exact from run to run, greedy answers included). Batches are fixed
-up front from the whole shard, so a resumed run decodes the same batches as an uninterrupted one;
-finished batches live in part files beside the output and are never redone. With
-`regenerate.enabled: false` the rows hold the datasets' own answers, tokenized with an
-assistant-only mask.
+the others sampled at the stage's temperature / top_p / top_k. On the engine each sampled answer
+draws from its own generator, seeded by (seed, prompt id, answer index); on generate() each
+sampled batch from one seeded by (seed, shard, sample index, batch). Either way a rerun or a
+resumed run draws the same numbers; it gives the same answers where the kernels are
+deterministic (the CPU; batched bf16 decoding on a GPU is not bit-exact from run to run, greedy
+answers included). The plan is fixed up front from the whole shard, so a resumed run's parts
+hold the answers an uninterrupted run's do; finished parts live beside the output and are never
+redone. With `regenerate.enabled: false` the rows hold the datasets' own answers, tokenized with
+an assistant-only mask.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import json
 import logging
 import shutil
 import time
-from collections import Counter
+from collections import Counter, defaultdict
 from dataclasses import asdict
 from pathlib import Path
 
@@ -36,7 +40,8 @@ from tqdm import tqdm
 from dflashpipe import faults
 from dflashpipe.chat import encode_chat, encode_prompt, end_of_turn_ids
 from dflashpipe.config import Config, RegenerateConfig
-from dflashpipe.errors import DataError
+from dflashpipe.decoding.hf_generate import generate_batch, generation_config, padded_shape
+from dflashpipe.errors import ConfigError, DataError
 from dflashpipe.storage import atomic_path
 
 log = logging.getLogger(__name__)
@@ -69,57 +74,6 @@ def plan_batches(lengths: list[int], batch_size: int) -> list[list[int]]:
     """Indices grouped into batches of similar length (longest first: memory peaks early)."""
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     return [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
-
-
-def generation_config(
-    gen: RegenerateConfig, eot: set[int], pad_id: int, device: torch.device, sampled: bool
-):
-    from transformers import GenerationConfig
-
-    # A fresh config: the model's own sampling defaults must not leak into "greedy".
-    cache = gen.cache if gen.cache != "auto" else ("static" if device.type == "cuda" else "dynamic")
-    extra = (
-        {"temperature": gen.temperature, "top_p": gen.top_p, "top_k": gen.top_k} if sampled else {}
-    )
-    return GenerationConfig(
-        max_new_tokens=gen.max_new_tokens,
-        do_sample=sampled,
-        eos_token_id=sorted(eot),
-        pad_token_id=pad_id,
-        cache_implementation=cache,
-        **extra,
-    )
-
-
-def padded_shape(lengths: list[int], batch_size: int, width: int = 0) -> tuple[int, int]:
-    """(rows, width) of a generate() call: widths round up to a power of two (>= 64, at least
-    `width`) and a short last batch is filled up to batch_size, so the shapes are few."""
-    width = max(width, 64, 1 << (max(lengths) - 1).bit_length())
-    return max(batch_size, len(lengths)), width
-
-
-@torch.inference_mode()
-def generate_batch(
-    model, prompts: list[list[int]], gen_cfg, eot: set[int], batch_size: int = 0, width: int = 0
-) -> list[tuple]:
-    """(new token ids incl. the end-of-turn token, finish reason) per prompt; left padding."""
-    rows, width = padded_shape(list(map(len, prompts)), batch_size, width)
-    ids = torch.full((rows, width), gen_cfg.pad_token_id, dtype=torch.long)
-    mask = torch.zeros((rows, width), dtype=torch.long)
-    for row in range(rows):
-        p = prompts[row % len(prompts)]  # filler rows repeat real prompts; their output is dropped
-        ids[row, width - len(p) :] = torch.tensor(p)
-        mask[row, width - len(p) :] = 1
-    out = model.generate(
-        input_ids=ids.to(model.device),
-        attention_mask=mask.to(model.device),
-        generation_config=gen_cfg,
-    )
-    results = []
-    for row in out[: len(prompts), width:].tolist():
-        stop = next((k for k, t in enumerate(row) if t in eot), None)
-        results.append((row[: stop + 1], "stop") if stop is not None else (row, "length"))
-    return results
 
 
 class PartStore:
@@ -204,6 +158,17 @@ def _row(
     }
 
 
+def part_rows(rows: list[dict], prompts: list[list[int]], answered: list[tuple]
+              ) -> tuple[list[dict], Counter]:  # fmt: skip
+    """A part file's rows and finish counts from (sample, prompt index, new tokens, finish)."""
+    out, stats = [], Counter()
+    for sample, i, new, finish in answered:
+        mask = [0] * len(prompts[i]) + [1] * len(new)
+        out.append(_row(rows[i], prompts[i] + new, mask, len(prompts[i]), finish, sample))
+        stats[f"finish_{finish}"] += 1
+    return out, stats
+
+
 def sampled(gen: RegenerateConfig, sample: int) -> bool:
     """Whether answer `sample` of each prompt is sampled (else greedy)."""
     return gen.temperature > 0 and not (sample == 0 and gen.greedy_first)
@@ -229,10 +194,11 @@ def dedupe_answers(rows: list[dict], stats: Counter) -> list[dict]:
 
 
 def plan_digest(
-    gen: RegenerateConfig, target: str, width: int, batches: list[list[list[int]]], shard: int
+    gen: RegenerateConfig, target: str, width, batches: list[list[list[int]]], shard: int
 ) -> str:
-    """What a shard's part files depend on: the stage's settings, the target, the padded width
-    and every batch's prompt tokens, in order."""
+    """What a shard's part files depend on: the stage's settings, the target, the shape (the
+    padded width of generate(), or the static engine's capacity) and every batch's prompt
+    tokens, in order."""
     h = hashlib.sha256(json.dumps([asdict(gen), target, width, shard], sort_keys=True).encode())
     for batch in batches:
         for ids in batch:
@@ -242,26 +208,41 @@ def plan_digest(
 
 
 def regenerate_rows(rows, model, tok, gen: RegenerateConfig, budget: int, parts: PartStore,
-                    max_batches: int | None = None, shard: int = 0, target: str = ""
-                    ) -> tuple[list[dict], Counter, bool]:  # fmt: skip
-    """Generate `samples_per_prompt` answers for each of `rows`, saving a part file every
-    `save_every` prompts; returns (rows, stats, finished). Stops at a part boundary once
-    `max_batches` have run. `target` (the target's identity) joins the parts' plan."""
+                    max_batches: int | None = None, shard: int = 0, target: str = "",
+                    engine: str = "hf") -> tuple[list[dict], Counter, bool]:  # fmt: skip
+    """Generate `samples_per_prompt` answers for each of `rows` on `engine` ("static": the
+    batched engine, "hf": generate()), saving a part file every `save_every` answers (hf:
+    prompts); returns (rows, stats, finished). Stops at a part boundary once `max_batches`
+    batches (static: part files) have run. `target` (the target's identity) joins the plan."""
     eot = end_of_turn_ids(tok)
-    pad_id = tok.pad_token_id if tok.pad_token_id is not None else min(eot)
-    kinds = {sampled(gen, s) for s in range(gen.samples_per_prompt)}
-    configs = {kind: generation_config(gen, eot, pad_id, model.device, kind) for kind in kinds}
     prompts = [encode_prompt(tok, r["messages"], gen.enable_thinking) for r in rows]
     longest = min(budget - 1, gen.max_prompt_tokens or budget)
     keep = [i for i, p in enumerate(prompts) if len(p) <= longest]
     stats = Counter(prompt_too_long=len(rows) - len(keep))
     by_length = plan_batches([len(prompts[i]) for i in keep], gen.batch_size)
+    batches = [[keep[i] for i in b] for b in by_length]
+    args = (rows, prompts, batches, gen, eot, parts, max_batches, shard, target)
+    done = decode_static(model, *args) if engine == "static" else decode_hf(model, tok, *args)
+    if not done:
+        return [], stats, False
+    saved, part_stats = parts.load()
+    stats.update(part_stats)  # update keeps zero counts (Counter + drops them)
+    return dedupe_answers(saved, stats), stats, True
+
+
+def decode_hf(model, tok, rows, prompts, batches, gen, eot, parts, max_batches, shard, target
+              ) -> bool:  # fmt: skip
+    """generate() over the length-sorted `batches`, each answer index s in turn; a part file
+    per save_every // batch_size batches. False when stopped by max_batches."""
+    pad_id = tok.pad_token_id if tok.pad_token_id is not None else min(eot)
+    kinds = {sampled(gen, s) for s in range(gen.samples_per_prompt)}
+    configs = {kind: generation_config(gen, eot, pad_id, model.device, kind) for kind in kinds}
+    keep = [i for b in batches for i in b]
     # With a static cache every batch takes the shard's widest shape: one compiled decode graph
     # serves them all (transformers also sizes the cache for the longest call so far, so a
     # narrower batch would not decode faster anyway).
     static = next(iter(configs.values())).cache_implementation == "static"
     width = padded_shape([len(prompts[i]) for i in keep], 1)[1] if static and keep else 0
-    batches = [[keep[i] for i in b] for b in by_length]
     parts.bind(plan_digest(gen, target, width, [[prompts[i] for i in b] for b in batches], shard))
     per_part = max(1, gen.save_every // gen.batch_size)
     done = parts.done()
@@ -274,56 +255,131 @@ def regenerate_rows(rows, model, tok, gen: RegenerateConfig, budget: int, parts:
     ]
     total = len(keep) * gen.samples_per_prompt
     if done:
-        log.info(
-            "resuming: %d of %d part files already done in %s",
-            len(done),
-            len(todo) + len(done),
-            parts.dir,
-        )
+        log.info("resuming: %d of %d part files already done in %s", len(done),
+                 len(todo) + len(done), parts.dir)  # fmt: skip
     bar = tqdm(total=total, desc="regenerate", unit=" answer", mininterval=2)
     bar.update(total - sum(len(b) for _, k in todo for b in batches[k : k + per_part]))
     ran, new_tokens, start = 0, 0, time.perf_counter()
     for sample, first in todo:
         if max_batches is not None and ran >= max_batches:
             bar.close()
-            return [], stats, False
-        part_rows, part_stats = [], Counter()
+            return False
+        answered = []
         for b, batch in enumerate(batches[first : first + per_part], start=first):
             t = time.perf_counter()
             if sampled(gen, sample):
                 torch.manual_seed(batch_seed(gen.seed, shard, sample, b))
-            answers = generate_batch(
-                model,
-                [prompts[i] for i in batch],
-                configs[sampled(gen, sample)],
-                eot,
-                gen.batch_size,
-                width,
-            )
+            answers = generate_batch(model, [prompts[i] for i in batch],
+                                     configs[sampled(gen, sample)], eot, gen.batch_size, width)  # fmt: skip
             made = sum(len(new) for new, _ in answers)
-            log.info(
-                "batch of %d prompts, shape %s: %d new tokens in %.1f s",
-                len(batch),
-                padded_shape([len(prompts[i]) for i in batch], gen.batch_size, width),
-                made,
-                time.perf_counter() - t,
-            )
-            for i, (new, finish) in zip(batch, answers, strict=True):
-                mask = [0] * len(prompts[i]) + [1] * len(new)
-                part_rows.append(
-                    _row(rows[i], prompts[i] + new, mask, len(prompts[i]), finish, sample)
-                )
-                part_stats[f"finish_{finish}"] += 1
+            shape = padded_shape([len(prompts[i]) for i in batch], gen.batch_size, width)
+            log.info("batch of %d prompts, shape %s: %d new tokens in %.1f s", len(batch), shape,
+                     made, time.perf_counter() - t)  # fmt: skip
+            answered += [(sample, i, *a) for i, a in zip(batch, answers, strict=True)]
             new_tokens += made
             ran += 1
             faults.point("regenerate.batch")
             bar.update(len(batch))
             bar.set_postfix(tok_s=f"{new_tokens / (time.perf_counter() - start):.0f}")
-        parts.save(sample * len(batches) + first, part_rows, part_stats)
+        parts.save(sample * len(batches) + first, *part_rows(rows, prompts, answered))
     bar.close()
-    saved, part_stats = parts.load()
-    stats.update(part_stats)  # update keeps zero counts (Counter + drops them)
-    return dedupe_answers(saved, stats), stats, True
+    return True
+
+
+def answer_seed(seed: int, prompt_id: str, sample: int) -> int:
+    """The sampling generator's seed of answer `sample` to a prompt (the static engine): fixed by
+    the prompt and the answer index, not by the slot, batch, shard or run it is decoded in."""
+    key = repr((seed, prompt_id, sample)).encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
+
+
+def engine_request(rows: list[dict], prompts: list[list[int]], gen: RegenerateConfig,
+                   sample: int, i: int):  # fmt: skip
+    """The batched engine's request for answer `sample` to prompt i, named by its sample id."""
+    from dflashpipe.decoding.batched import Request
+
+    prompt_id = rows[i]["prompt_id"]
+    seed = answer_seed(gen.seed, prompt_id, sample) if sampled(gen, sample) else None
+    return Request(f"{prompt_id}-{sample}", prompts[i], seed)
+
+
+def decode_static(model, rows, prompts, batches, gen, eot, parts, max_parts, shard, target
+                  ) -> bool:  # fmt: skip
+    """Every answer (index s of each prompt in plan order, s by s) through the batched engine in
+    one stream; part k holds answers k..k+save_every-1 of that list and is saved once they are
+    all in (they finish out of order). Parts saved before are not redone; a part's answers do
+    not depend on what else was decoded beside them, so a resumed shard equals a whole one.
+    False when stopped after `max_parts` part files."""
+    from dflashpipe.decoding.batched import BatchedEngine
+    from dflashpipe.decoding.sampling import Sampling
+
+    order = [i for b in batches for i in b]
+    jobs = [(s, i) for s in range(gen.samples_per_prompt) for i in order]
+    capacity = max((len(prompts[i]) for i in order), default=0) + gen.max_new_tokens
+    try:  # refused before anything is written
+        engine = BatchedEngine(model, gen.batch_size, capacity)
+    except ValueError as e:
+        raise ConfigError(f"regenerate.batch_size {gen.batch_size}: {e}") from None
+    parts.bind(plan_digest(gen, target, ["static", capacity], [[prompts[i] for i in order]], shard))
+    done, size = parts.done(), gen.save_every
+    todo = {k: range(k, min(k + size, len(jobs))) for k in range(0, len(jobs), size)}
+    todo = {k: r for k, r in todo.items() if k not in done}
+    if done:
+        log.info("resuming: %d of %d part files already done in %s", len(done),
+                 len(todo) + len(done), parts.dir)  # fmt: skip
+    if not todo:
+        return True
+    log.info("static engine: %d row slots x %d cache slots, CUDA graphs %s, compiled %s",
+             engine.rows, engine.capacity, engine.graphs, engine.compiled)  # fmt: skip
+    names = [n for r in todo.values() for n in r]  # request index -> job index
+    requests = [engine_request(rows, prompts, gen, *jobs[n]) for n in names]
+    sampling = Sampling(gen.temperature, gen.top_p, gen.top_k) if gen.temperature > 0 else None
+    bar = tqdm(total=len(jobs), desc="regenerate", unit=" answer", mininterval=2)
+    bar.update(len(jobs) - len(names))
+    answers, saved, new_tokens, start = defaultdict(dict), 0, 0, time.perf_counter()
+    for a in engine.generate(requests, gen.max_new_tokens, eot, sampling):
+        n = names[a.index]
+        k = n - n % size
+        answers[k][n] = a
+        new_tokens += len(a.tokens)
+        faults.point("regenerate.answer")
+        bar.update(1)
+        if len(answers[k]) < len(todo[k]):
+            continue
+        got = answers.pop(k)
+        answered = [(*jobs[n], got[n].tokens, got[n].finish) for n in todo[k]]
+        parts.save(k, *part_rows(rows, prompts, answered))
+        saved += 1
+        rate = new_tokens / (time.perf_counter() - start)
+        log.info("part %d saved (%d answers); %d new tokens so far, %.0f tok/s; engine %s", k,
+                 len(todo[k]), new_tokens, rate, dict(engine.stats))  # fmt: skip
+        bar.set_postfix(tok_s=f"{rate:.0f}")
+        if max_parts is not None and saved >= max_parts and saved < len(todo):
+            bar.close()
+            return False
+    bar.close()
+    return True
+
+
+def engine_kind(gen: RegenerateConfig, target) -> tuple[str, str]:
+    """(kind, why): the engine regenerate.engine picks for the target (its transformers config,
+    read before the weights load): static where the static models support the family, hf
+    otherwise (auto) or refused (static)."""
+    from dflashpipe.decoding.static_models import check_target_config
+    from dflashpipe.target import load_target_config
+
+    if gen.engine == "hf":
+        return "hf", "regenerate.engine: hf"
+    try:
+        check_target_config(load_target_config(target))
+    except ValueError as e:
+        if gen.engine == "static":
+            raise ConfigError(
+                f"regenerate.engine is static, but the static engine refuses the target: {e}; "
+                "set regenerate.engine to auto or hf"
+            ) from None
+        return "hf", f"regenerate.engine auto: transformers' generate(), since {e}"
+    return "static", f"regenerate.engine: {gen.engine}"
 
 
 def run(
@@ -352,16 +408,20 @@ def run(
         identity = target_identity(cfg.target, tok).to_json()
         stats: Counter = Counter()
         seqs = dataset_rows(rows, tok, gen.enable_thinking, stats)
+        engine, why = "none", "regenerate.enabled: false"
     else:
+        engine, why = engine_kind(gen, cfg.target)  # refused before the device is taken
+        log.info("engine %s (%s)", engine, why)
         with stage_device(cfg.devices.extract, shard, "devices.extract") as device:
             log.info("shard %d: %d prompts on %s", shard, len(rows), device)
             model, tok = load_target(cfg.target, device)
             identity = target_identity(cfg.target, tok).to_json()  # hashed once: the plan's too
             seqs, stats, finished = regenerate_rows(
-                rows, model, tok, gen, budget, parts, max_batches, shard, identity
+                rows, model, tok, gen, budget, parts, max_batches, shard, identity, engine
             )
             if not finished:
-                log.info("stopped after %d batches; rerun to finish %s", max_batches, out_path)
+                log.info("stopped after %d %s; rerun to finish %s", max_batches,
+                         "part files" if engine == "static" else "batches", out_path)  # fmt: skip
                 return False
     order = {r["prompt_id"]: k for k, r in enumerate(rows)}
     seqs.sort(key=lambda r: order[r["prompt_id"]])  # stable: a prompt's answers by sample index
@@ -370,6 +430,8 @@ def run(
         "regenerate": json.dumps(cfg.raw["regenerate"], sort_keys=True),
         "stats": json.dumps({"prompts": len(rows), "samples": len(seqs), **stats}),
         "shard": f"{shard}/{gen.shards}",
+        "engine": engine,
+        "engine_reason": why,
     }
     table = pa.Table.from_pylist(seqs, schema=SEQUENCE_SCHEMA).replace_schema_metadata(meta)
     with atomic_path(out_path) as tmp:

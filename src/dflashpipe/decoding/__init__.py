@@ -10,6 +10,11 @@
     eager           the eager reference loop (DynamicCache), DFlashProposer; CPU fallback
     runner          Decoders: the methods evaluate compares, on the engine or the eager loop
     summary         metrics.json's figures from the responses (tau, speed, losslessness)
+    batched         BatchedEngine: regenerate's continuous batching, R rows over a static cache,
+                    one captured decode step, finished rows refilled by length-bucketed prefills
+    sampling        the batched engine's draws: per-answer seeded uniforms, temperature/top-k/p
+    memory          what the batched engine's buffers take against the device's free memory
+    hf_generate     transformers' generate() on padded batches: regenerate's fallback path
 
     evaluate ─► runner ─┬─► engine ──► static_models ──► tree_search
                         │     ▲
@@ -17,8 +22,10 @@
                         ├─► eager ──► dflashpipe.taps (the same taps as extract)
                         └─► lookup
     evaluate ─► summary
+    regenerate ─┬─► batched ──► static_models, sampling, memory
+                └─► hf_generate (families the static models do not cover)
     engine, ddtree, eager, lookup, runner, summary ──► types
 
-Lower layers never import a stage module (tests/test_layout.py): stages call in, results come
+Lower layers never import a stage module (tests/test_imports.py): stages call in, results come
 back as `Decoded`.
 """

@@ -55,10 +55,11 @@ def fold_mask(mask: Tensor, groups: int) -> Tensor:
 
 
 def attend_cache(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float | None) -> Tensor:
-    """Attention of queries q (1, Hq, Q, D) over whole static buffers k, v (1, Hkv, L, D) under a
-    folded mask (1, 1, g*Q, L) -> (1, Hq, Q, D). The g = Hq/Hkv query heads sharing a KV head
-    are folded into the query length (head h = kv*g + r, as HF's repeat_kv orders them), so no
-    backend needs GQA support and no buffer is expanded per step.
+    """Attention of queries q (N, Hq, Q, D) over whole static buffers k, v (N, Hkv, L, D) under a
+    folded mask (1 or N, 1, g*Q, L) -> (N, Hq, Q, D); N = 1 but in batched decoding (a sequence
+    per row). The g = Hq/Hkv query heads sharing a KV head are folded into the query length
+    (head h = kv*g + r, as HF's repeat_kv orders them), so no backend needs GQA support and no
+    buffer is expanded per step.
 
     Uncompiled (CPU, prefill, graphs alone): SDPA's kernel. Compiled (a step's layer function,
     `compiled`): the same attention in plain ops as HF's eager attention computes it (scores in
@@ -67,16 +68,16 @@ def attend_cache(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float | N
     target-only step 1.44 ms with these ops against 1.67 ms with cuDNN's SDPA kernel at 496
     slots, 1.63 against 2.30 ms at 2,048 slots (cuDNN's kernel takes ~45 us per layer call
     whatever the valid length)."""
-    _, Hq, Q, D = q.shape
+    N, Hq, Q, D = q.shape
     Hkv = k.shape[1]
-    fq = q.reshape(1, Hkv, Hq // Hkv * Q, D)
+    fq = q.reshape(N, Hkv, Hq // Hkv * Q, D)
     if torch.compiler.is_compiling():
         scores = (fq @ k.transpose(-1, -2)) * (D**-0.5 if scale is None else scale)
         weights = scores.masked_fill(~mask, float("-inf")).softmax(-1, dtype=torch.float32)
         y = weights.to(v.dtype) @ v
     else:
         y = F.scaled_dot_product_attention(fq, k, v, attn_mask=mask, scale=scale)
-    return y.reshape(1, Hq, Q, D)  # (1, Hkv, g*Q, D) -> heads; kernels may return it transposed
+    return y.reshape(N, Hq, Q, D)  # (N, Hkv, g*Q, D) -> heads; kernels may return it transposed
 
 
 Fused = tuple[Tensor, Tensor | None, Tensor, Tensor | None]  # q/k/v, gate/up: weight, bias
@@ -109,11 +110,11 @@ def _fuse(linears: Sequence[nn.Linear]) -> tuple[Tensor, Tensor | None]:
 
 
 def _qkv(attn: nn.Module, h: Tensor, fused: Fused) -> tuple[Tensor, Tensor, Tensor]:
-    """q (Q, Hq, D), k and v (Q, Hkv, D) of rows h (Q, H) in one matmul."""
-    Q, D = h.shape[0], attn.head_dim
+    """q (..., Hq, D), k and v (..., Hkv, D) of rows h (..., H) in one matmul."""
+    D = attn.head_dim
     sizes = [attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features]
     q, k, v = F.linear(h, fused[0], fused[1]).split(sizes, -1)
-    return q.view(Q, -1, D), k.view(Q, -1, D), v.view(Q, -1, D)
+    return q.unflatten(-1, (-1, D)), k.unflatten(-1, (-1, D)), v.unflatten(-1, (-1, D))
 
 
 def _mlp(mlp: nn.Module, x: Tensor, fused: Fused) -> Tensor:
@@ -129,17 +130,29 @@ def target_layer(
     """One HF Llama-family decoder layer over Q rows x (Q, H) at RoPE rows cos/sin (Q, D): its
     new K/V written into `slots` of the static buffers (1, Hkv, L, D), attention over them under
     the folded mask (`fold_mask`); q/k/v and gate/up as one matmul each (`fuse_layer`)."""
-    attn = layer.self_attn
-    h = layer.input_layernorm(x)
-    Q = h.shape[0]
-    q, k, v = _qkv(attn, h, fused)
-    if hasattr(attn, "q_norm"):  # Qwen3: per-head RMSNorm before RoPE
-        q, k = attn.q_norm(q), attn.k_norm(k)
+    q, k, v = layer_qkv(layer, x, fused)  # (Q, Hq, D), (Q, Hkv, D)
     q = apply_rope(q.transpose(0, 1)[None], cos, sin)  # (1, Hq, Q, D)
     k_cache.index_copy_(2, slots, apply_rope(k.transpose(0, 1)[None], cos, sin))
     v_cache.index_copy_(2, slots, v.transpose(0, 1)[None])
-    y = attend_cache(q, k_cache, v_cache, mask, attn.scaling)  # (1, Hq, Q, D)
-    x = x + attn.o_proj(y[0].transpose(0, 1).reshape(Q, -1))
+    y = attend_cache(q, k_cache, v_cache, mask, layer.self_attn.scaling)  # (1, Hq, Q, D)
+    return layer_out(layer, x, y[0].transpose(0, 1).flatten(1), fused)
+
+
+def layer_qkv(layer: nn.Module, x: Tensor, fused: Fused) -> tuple[Tensor, Tensor, Tensor]:
+    """A target decoder layer's attention inputs before RoPE: q (..., Hq, D), k and v
+    (..., Hkv, D) of rows x (..., H) (input norm, fused q/k/v, Qwen3's per-head q/k norms).
+    Shared by `target_layer` and batched decoding (decoding/batched.py)."""
+    attn = layer.self_attn
+    q, k, v = _qkv(attn, layer.input_layernorm(x), fused)
+    if hasattr(attn, "q_norm"):  # Qwen3: per-head RMSNorm before RoPE
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    return q, k, v
+
+
+def layer_out(layer: nn.Module, x: Tensor, y: Tensor, fused: Fused) -> Tensor:
+    """The rest of a target decoder layer: rows x (..., H) plus the output projection of their
+    attention y (..., Hq*D), then the residual MLP (fused gate/up)."""
+    x = x + layer.self_attn.o_proj(y)
     return x + _mlp(layer.mlp, layer.post_attention_layernorm(x), fused)
 
 
@@ -280,12 +293,17 @@ def _aligned(n: int) -> int:
 
 def check_target(model: nn.Module) -> None:
     """Refuse (ValueError naming the model type) what StaticTarget does not reproduce."""
-    tc = model.config.get_text_config()
-    kind = getattr(tc, "model_type", type(model).__name__)
+    check_target_config(model.config, type(model).__name__)
+
+
+def check_target_config(config, name: str = "target") -> None:
+    """`check_target` from the model's transformers config alone (before its weights load)."""
+    tc = config.get_text_config()
+    kind = getattr(tc, "model_type", name)
     if kind not in SUPPORTED_TARGETS:
         raise ValueError(
             f"StaticTarget supports model types {SUPPORTED_TARGETS}, not {kind!r}; "
-            "use the eager loop (decoding/eager.py) for it"
+            "decode it with the eager loop (evaluate) or generate() (regenerate)"
         )
     layer_types = set(getattr(tc, "layer_types", None) or ["full_attention"])
     if layer_types != {"full_attention"} or getattr(tc, "sliding_window", None) is not None:

@@ -1,0 +1,55 @@
+"""What the batched engine's buffers take (its static cache and a step's vocabulary-wide
+tensors) against the device's free memory: rows that do not fit are refused before anything is
+allocated, instead of an out-of-memory error halfway through a shard."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+
+MEMORY_SHARE = 0.9  # of the free memory the engine's buffers may take (the rest: allocator slack)
+STEP_FLOATS = 4  # float32 (R, V) tensors a sampled step holds at once (logits, sort, cdf, mask)
+
+
+def cache_bytes(model: nn.Module, rows: int, capacity: int) -> int:
+    """The static cache: rows x capacity x layers x 2 (K, V) x kv_heads x head_dim x dtype
+    bytes (plus the scratch row)."""
+    base = model.get_decoder()
+    k = base.layers[0].self_attn.k_proj.weight
+    return (rows + 1) * capacity * len(base.layers) * 2 * k.shape[0] * k.element_size()
+
+
+def step_bytes(model: nn.Module, rows: int) -> int:
+    """What a decode step holds beside the cache: STEP_FLOATS float32 (rows, vocab) tensors."""
+    return rows * model.get_output_embeddings().weight.shape[0] * 4 * STEP_FLOATS
+
+
+def free_memory(device: torch.device) -> int:
+    """Bytes free for the engine: the GPU's free memory, or the host's MemAvailable."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    meminfo = Path("/proc/meminfo")
+    if meminfo.is_file():
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def check_fit(model: nn.Module, rows: int, capacity: int, budget: int | None = None) -> None:
+    """Refuse (ValueError) rows x capacity whose cache and step buffers exceed `budget` bytes
+    (None: MEMORY_SHARE of the device's free memory), before anything is allocated."""
+    device = model.get_input_embeddings().weight.device
+    budget = int(MEMORY_SHARE * free_memory(device)) if budget is None else budget
+    cache, step = cache_bytes(model, rows, capacity), step_bytes(model, rows)
+    if cache + step > budget:
+        gib = 2**30
+        raise ValueError(
+            f"{rows} rows x {capacity} slots need {cache / gib:.2f} GiB of KV cache (rows x "
+            f"capacity x layers x 2 x kv_heads x head_dim x dtype bytes) + {step / gib:.2f} GiB "
+            f"of step buffers, more than the {budget / gib:.2f} GiB budget on {device}; use "
+            "fewer rows or a smaller capacity (longest prompt + max_new_tokens)"
+        )

@@ -1,0 +1,261 @@
+"""Batched, continuous generation (decoding/batched.py) and regenerate on it: greedy answers equal
+transformers' generate() token for token (CPU, float32) on the tiny target and on SmolLM2,
+sampled answers do not depend on the run, the row count or a resume, and bad inputs are refused
+before anything is decoded."""
+
+import json
+import shutil
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+from conftest import SMOLLM2_GGUF
+
+from dflashpipe.chat import encode_prompt, end_of_turn_ids
+from dflashpipe.config import Config, TargetConfig
+from dflashpipe.decoding.batched import BatchedEngine, Request
+from dflashpipe.decoding.hf_generate import generate_batch, generation_config
+from dflashpipe.decoding.memory import cache_bytes
+from dflashpipe.decoding.sampling import Sampling
+from dflashpipe.errors import ConfigError
+from dflashpipe.prompts import Prompt, prompt_key, write_prompts
+from dflashpipe.regenerate import PartStore, run
+from dflashpipe.target import load_target
+
+ASK = ["What is 2+2?", "Say hi.", "Name a color.", "What is the capital of France?",
+       "Is fire hot? Yes or no.", "Name one fruit.", "Give me a word that rhymes with cat.",
+       "What is 3 times 3?"]  # fmt: skip
+SAMPLING = Sampling(temperature=1.0, top_p=0.9, top_k=40)
+
+
+def questions(n: int) -> list[str]:
+    """n short questions padded to mixed lengths (about 40-90 tokens with the template)."""
+    return [ASK[i % 8] + " Reply in one word." + " Be brief." * (i * 5 % 17) for i in range(n)]
+
+
+def chat_prompts(tok, n: int) -> list[list[int]]:
+    return [encode_prompt(tok, [{"role": "user", "content": q}]) for q in questions(n)]
+
+
+def reference(model, tok, prompts, max_new: int, stops: set[int]) -> list[tuple]:
+    """Today's path: generate() on left-padded batches of 12 (float32 on the CPU)."""
+    from dflashpipe.config import RegenerateConfig
+
+    gen = RegenerateConfig(max_new_tokens=max_new, cache="dynamic")
+    cfg = generation_config(gen, stops, tok.pad_token_id or 0, model.device, False)
+    return [a for i in range(0, len(prompts), 12)
+            for a in generate_batch(model, prompts[i : i + 12], cfg, stops, 12)]  # fmt: skip
+
+
+def decode(engine, prompts, max_new, stops, seeds=None, sampling=None) -> list[tuple]:
+    seeds = seeds or [None] * len(prompts)
+    requests = [Request(f"p{i}", p, s) for i, (p, s) in enumerate(zip(prompts, seeds, strict=True))]
+    answers = {a.index: (a.tokens, a.finish) for a in engine.generate(requests, max_new, stops,
+                                                                      sampling)}  # fmt: skip
+    return [answers[i] for i in range(len(prompts))]
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_target_dir):
+    return load_target(TargetConfig(model=str(tiny_target_dir)), torch.device("cpu"))
+
+
+@pytest.fixture(scope="module")
+def varied(tiny_target_dir):
+    """The tiny target with its matrices redrawn at std 0.3: as saved it answers newline after
+    newline, which would not tell a wrong row or position from a right one."""
+    model, tok = load_target(TargetConfig(model=str(tiny_target_dir)), torch.device("cpu"))
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.3, generator=g)
+    return model, tok
+
+
+def test_greedy_equals_generate_on_the_tiny_target(varied):
+    """36 prompts through 5 row slots; stop tokens the target does emit, so rows finish at
+    different steps and are refilled at once (no row decodes past its answer's end)."""
+    model, tok = varied
+    prompts = chat_prompts(tok, 36)
+    first = reference(model, tok, prompts, 12, end_of_turn_ids(tok))
+    stops = end_of_turn_ids(tok) | {new[2 + i % 9] for i, (new, _) in enumerate(first[::3])}
+    expected = reference(model, tok, prompts, 12, stops)
+    assert 8 <= sum(f == "stop" for _, f in expected) <= 28
+    engine = BatchedEngine(model, rows=5, capacity=max(map(len, prompts)) + 12)
+    assert decode(engine, prompts, 12, stops) == expected
+    # continuous: a row's answer and one idle step (the refill waits on the read-back), then
+    # the next; only the tail runs with free rows. Batches of 5 decode to their longest answer.
+    lengths = [len(new) for new, _ in expected]
+    padded = sum(max(lengths[i : i + 5]) for i in range(0, 36, 5))
+    assert engine.stats["steps"] <= (sum(lengths) + 36) / 5 + 12 + 1 < padded
+    assert engine.stats["prefills"] < 36  # refills prefilled together
+
+
+def test_sampled_answers_do_not_depend_on_rows_runs_or_resume(varied):
+    model, tok = varied
+    prompts, stops = chat_prompts(tok, 14), end_of_turn_ids(tok)
+    seeds = [1000 + i if i % 3 else None for i in range(14)]  # greedy ones mixed in
+    capacity = max(map(len, prompts)) + 10
+    three = BatchedEngine(model, rows=3, capacity=capacity)
+    a = decode(three, prompts, 10, stops, seeds, SAMPLING)
+    assert decode(three, prompts, 10, stops, seeds, SAMPLING) == a  # the same engine, again
+    assert decode(BatchedEngine(model, rows=8, capacity=capacity + 32), prompts, 10, stops, seeds,
+                  SAMPLING) == a  # fmt: skip
+    # a run stopped after 5 answers, the rest decoded by a fresh engine in another order
+    requests = [Request(f"p{i}", p, s) for i, (p, s) in enumerate(zip(prompts, seeds, strict=True))]
+    it = BatchedEngine(model, rows=4, capacity=capacity).generate(requests, 10, stops, SAMPLING)
+    got = {x.index: (x.tokens, x.finish) for x, _ in zip(it, range(5), strict=False)}
+    rest = [i for i in range(14) if i not in got][::-1]
+    again = decode(three, [prompts[i] for i in rest], 10, stops, [seeds[i] for i in rest], SAMPLING)
+    got.update(zip(rest, again, strict=True))
+    assert [got[i] for i in range(14)] == a
+    greedy = decode(three, prompts, 10, stops)
+    assert all(a[i] == greedy[i] for i in range(14) if seeds[i] is None)
+    assert sum(a[i] != greedy[i] for i in range(14) if seeds[i] is not None) >= 5
+
+
+@pytest.fixture(scope="module")
+def smollm2(smollm2_dir, smollm2_cache):
+    from conftest import cache_dir
+
+    with cache_dir(smollm2_cache):  # the run's conversion of the GGUF
+        cfg = TargetConfig(model=str(smollm2_dir), gguf_file=SMOLLM2_GGUF)
+        return load_target(cfg, torch.device("cpu"))
+
+
+def test_greedy_equals_generate_on_smollm2(smollm2):
+    """The real target (float32) answers 24 prompts of 39-89 tokens in 5 row slots."""
+    model, tok = smollm2
+    prompts, stops = chat_prompts(tok, 24), end_of_turn_ids(tok)
+    expected = reference(model, tok, prompts, 12, stops)
+    assert sum(f == "stop" for _, f in expected) >= 12  # real answers end at different steps
+    engine = BatchedEngine(model, rows=5, capacity=max(map(len, prompts)) + 12)
+    assert decode(engine, prompts, 12, stops) == expected
+
+
+# ------------------------------------------------------------------------------ regenerate
+def write_questions(path, n: int):
+    rows = []
+    for i, q in enumerate(questions(n)):
+        msgs = [{"role": "user", "content": q}]
+        rows.append(Prompt(prompt_key(msgs), "t", str(i), 0, msgs, None, f"f:{i}"))
+    write_prompts(path, rows)
+    return path
+
+
+def config(target, **regen) -> Config:
+    raw = {
+        "target": {"model": str(target)},
+        "prompts": {"sources": [{"name": "x", "kind": "jsonl", "path": "unused.jsonl"}]},
+        "regenerate": {"shards": 1, "batch_size": 3, "max_new_tokens": 8, "save_every": 4,
+                       **regen},
+        "extract": {"max_length": 512},
+    }  # fmt: skip
+    return Config.from_dict(raw)
+
+
+def rows(path) -> list[dict]:
+    return pq.read_table(path).to_pylist()
+
+
+def test_regenerate_on_the_engine_resumes_to_the_same_answers(tiny_target_dir, tmp_path):
+    """Sampled answers (2 per prompt, the first greedy): an uninterrupted run, runs stopped after
+    each part and resumed, and another row count give the same rows; the engine is recorded,
+    and its greedy answers are generate()'s."""
+    prompts = write_questions(tmp_path / "p.parquet", 10)
+    sampled = {"samples_per_prompt": 2, "temperature": 1.0, "top_p": 0.9, "top_k": 40, "seed": 7}
+    whole = tmp_path / "whole.parquet"
+    assert run(config(tiny_target_dir, **sampled), str(prompts), 0, str(whole))
+    meta = pq.read_table(whole).schema.metadata
+    assert meta[b"engine"] == b"static" and b"auto" in meta[b"engine_reason"]
+    resumed = tmp_path / "resumed.parquet"
+    cfg = config(tiny_target_dir, **sampled, batch_size=5)
+    assert not run(cfg, str(prompts), 0, str(resumed), max_batches=1)
+    assert len(PartStore(resumed).done()) == 1
+    while not run(cfg, str(prompts), 0, str(resumed), max_batches=2):
+        pass
+    assert rows(resumed) == rows(whole)
+    greedy = {r["sample_id"]: r for r in rows(whole) if r["sample_id"].endswith("-0")}
+    hf = tmp_path / "hf.parquet"
+    run(config(tiny_target_dir, engine="hf"), str(prompts), 0, str(hf))
+    assert {r["sample_id"]: r for r in rows(hf)} == greedy
+    assert pq.read_table(hf).schema.metadata[b"engine"] == b"hf"
+
+
+# ------------------------------------------------------------------------------- bad input
+def test_too_many_rows_for_the_memory_are_refused(tiny, tiny_target_dir, tmp_path):
+    model, _ = tiny
+    need = cache_bytes(model, 4, 64)
+    assert need == 5 * 64 * 2 * 2 * 2 * 16 * 4  # (rows+1) x slots x layers x K,V x heads x D x 4
+    with pytest.raises(ValueError, match=r"4 rows x 64 slots need .* GiB budget on cpu"):
+        BatchedEngine(model, rows=4, capacity=64, memory_budget=need)
+    prompts = write_questions(tmp_path / "p.parquet", 2)
+    out = tmp_path / "o.parquet"
+    with pytest.raises(ConfigError, match=r"regenerate\.batch_size 100000000: .*more than"):
+        run(config(tiny_target_dir, batch_size=10**8), str(prompts), 0, str(out))
+    assert not out.exists() and not PartStore(out).dir.exists()  # nothing written
+
+
+def test_a_prompt_longer_than_the_cache_is_refused_before_decoding(tiny):
+    model, tok = tiny
+    engine = BatchedEngine(model, rows=2, capacity=32)
+    requests = [Request("short-0", [5] * 10), Request("long-0", [5] * 30)]
+    with pytest.raises(ValueError, match=r"request long-0: .*30 tokens \+ max_new_tokens 16"):
+        next(engine.generate(requests, 16, {0}))
+    assert engine.stats["steps"] == 0 and engine.stats["prefills"] == 0
+
+
+def test_bad_sampling_settings_are_refused():
+    for top_p in (0, 1.5):
+        with pytest.raises(ValueError, match=f"top_p is {top_p}"):
+            Sampling(top_p=top_p)
+        with pytest.raises(ConfigError, match=r"regenerate\.top_p"):
+            config("unused", top_p=top_p)
+    with pytest.raises(ConfigError, match=r"regenerate\.engine"):
+        config("unused", engine="vllm")
+    with pytest.raises(ConfigError, match=r"regenerate\.cache is 'static' with regenerate\.engine"):
+        config("unused", engine="static", cache="static")
+
+
+def test_an_unsupported_family_is_refused_by_static_and_falls_back_on_auto(
+    tiny_target_dir, tmp_path, caplog
+):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    target = tmp_path / "gpt2"
+    shutil.copytree(tiny_target_dir, target, ignore=shutil.ignore_patterns("*.safetensors",
+                                                                          "config.json"))  # fmt: skip
+    tok_size = json.loads((tiny_target_dir / "config.json").read_text())["vocab_size"]
+    torch.manual_seed(0)
+    GPT2LMHeadModel(
+        GPT2Config(vocab_size=tok_size, n_embd=32, n_layer=1, n_head=2)
+    ).save_pretrained(target)
+    prompts = write_questions(tmp_path / "p.parquet", 2)
+    with pytest.raises(ConfigError, match=r"regenerate\.engine is static.*'gpt2'"):
+        run(config(target, engine="static"), str(prompts), 0, str(tmp_path / "s.parquet"))
+    assert not (tmp_path / "s.parquet").exists()
+    with caplog.at_level("INFO", logger="dflashpipe.regenerate"):
+        assert run(config(target, max_new_tokens=2), str(prompts), 0, str(tmp_path / "a.parquet"))
+    assert "engine hf (regenerate.engine auto: transformers' generate(), since" in caplog.text
+    assert pq.read_table(tmp_path / "a.parquet").schema.metadata[b"engine"] == b"hf"
+
+
+def test_draw_follows_temperature_top_k_and_top_p():
+    """Evenly spread uniforms land on each token as often as its probability after the filters."""
+    from dflashpipe.decoding.sampling import draw
+
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    u = (torch.arange(1000) + 0.5) / 1000  # (1000,)
+    logits = probs.log().expand(1000, 4)
+
+    def shares(**kw) -> list[float]:
+        tokens = draw(logits, u, Sampling(**kw))
+        return (torch.bincount(tokens, minlength=4) / 1000).tolist()
+
+    assert shares() == pytest.approx([0.5, 0.3, 0.15, 0.05], abs=2e-3)
+    assert shares(top_k=2) == pytest.approx([0.625, 0.375, 0, 0], abs=2e-3)
+    assert shares(top_p=0.8) == pytest.approx([0.625, 0.375, 0, 0], abs=2e-3)  # 0.5 + 0.3 reach it
+    assert shares(top_p=0.81) == pytest.approx([0.5 / 0.95, 0.3 / 0.95, 0.15 / 0.95, 0], abs=2e-3)
+    hot = probs.pow(0.5) / probs.pow(0.5).sum()  # temperature 2: p^(1/2), renormalized
+    assert shares(temperature=2.0) == pytest.approx(hot.tolist(), abs=2e-3)

@@ -1,0 +1,34 @@
+"""Benchmark scripts' smoke runs (CPU, tiny shapes): the GPU runs find them working."""
+
+import importlib.util
+import json
+import sys
+
+from conftest import REPO
+
+
+def _script(name: str):
+    """benchmarks/{name}.py as a module (a script, not part of the package)."""
+    spec = importlib.util.spec_from_file_location(
+        f"bench_{name}", REPO / "benchmarks" / f"{name}.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_regenerate_benchmark_smoke(tmp_path):
+    """Engine and generate() at both shapes, each against its bandwidth bound, in one run."""
+    out = tmp_path / "regen.json"
+    rows = _script("regenerate").main(["--smoke", "--out", str(out)])
+    assert {(r["shape"], r["path"]) for r in rows} == {
+        (s, p) for s in ("recipe", "qwen3-8b") for p in ("engine", "generate()")
+    }
+    for r in rows:
+        assert r["tok_s"] > 0 and r["bound_ms"] > 0 and r["step_bound_share"] > 0
+    engine = [r for r in rows if r["path"] == "engine"]
+    assert all(r["captures_in_run"] == 0 and r["step_alone_ms"] > 0 for r in engine)
+    # real stopping at the recipe's shapes: answers shorter than max_new_tokens
+    assert rows[0]["tokens_per_answer"] < 16
+    assert json.loads(out.read_text())["rows"] == rows
