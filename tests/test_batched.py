@@ -187,7 +187,7 @@ def test_regenerate_on_the_engine_resumes_to_the_same_answers(tiny_target_dir, t
 def test_too_many_rows_for_the_memory_are_refused(tiny, tiny_target_dir, tmp_path):
     model, _ = tiny
     need = cache_bytes(model, 4, 64)
-    assert need == 5 * 64 * 2 * 2 * 2 * 16 * 4  # (rows+1) x slots x layers x K,V x heads x D x 4
+    assert need == 5 * 64 * 3 * 2 * 2 * 16 * 4  # (rows+1) x slots x layers x K,V x heads x D x 4
     with pytest.raises(ValueError, match=r"4 rows x 64 slots need .* GiB budget on cpu"):
         BatchedEngine(model, rows=4, capacity=64, memory_budget=need)
     prompts = write_questions(tmp_path / "p.parquet", 2)
@@ -229,7 +229,7 @@ def test_an_unsupported_family_is_refused_by_static_and_falls_back_on_auto(
     tok_size = json.loads((tiny_target_dir / "config.json").read_text())["vocab_size"]
     torch.manual_seed(0)
     GPT2LMHeadModel(
-        GPT2Config(vocab_size=tok_size, n_embd=32, n_layer=1, n_head=2)
+        GPT2Config(vocab_size=tok_size, n_embd=32, n_layer=8, n_head=2)  # default taps 1..5
     ).save_pretrained(target)
     prompts = write_questions(tmp_path / "p.parquet", 2)
     with pytest.raises(ConfigError, match=r"regenerate\.engine is static.*'gpt2'"):

@@ -131,7 +131,7 @@ def test_too_long_prompts_are_counted(tiny_target_dir, prompts_file, tmp_path):
     tok = load_tokenizer(cfg.target)
     rows = pq.read_table(prompts_file).to_pylist()[0::2]  # shard 0 of 2
     lengths = sorted(len(encode_prompt(tok, r["messages"])) for r in rows)
-    cfg.raw["extract"]["max_length"] = lengths[2]  # the budget fits strictly shorter prompts
+    cfg.extract.max_length = lengths[2]  # the budget fits strictly shorter prompts
     run(cfg, str(prompts_file), 0, str(tmp_path / "s.parquet"))
     table = _table(tmp_path / "s.parquet")
     stats = json.loads(table.schema.metadata[b"stats"])
