@@ -152,9 +152,10 @@ def test_quality_driver_main_and_variants(tmp_path, smollm2_dir, tiny_target_dir
     assert quality.restore(tmp_path / "fourth", "main", kept, configs)  # the same config: restored
 
     # A shard cut short on one machine finishes on another: its part files travel with the kept
-    # answers, and the next machine regenerates only the batches they lack.
+    # answers, and the next machine regenerates only the answers they lack.
     (restored / seq).unlink()
-    kill = {**os.environ, "DFLASHPIPE_KILL_AT": "regenerate.batch:2"}  # after 2 of its 2 batches
+    # at the last of its 8 answers: one part of 4 is whole (saved), the other lacks that answer
+    kill = {**os.environ, "DFLASHPIPE_KILL_AT": "regenerate.answer:8"}
     cut = subprocess.run(again, capture_output=True, text=True, timeout=600, env=kill)
     assert cut.returncode != 0 and not (restored / seq).exists()
     assert len(list((restored / "sequences").glob(".shard-00000.parquet.parts/part-*"))) == 1
@@ -167,7 +168,7 @@ def test_quality_driver_main_and_variants(tmp_path, smollm2_dir, tiny_target_dir
     finished = other / "quality-main" / "results"
     assert pq.read_table(finished / seq).to_pylist() == pq.read_table(main / seq).to_pylist()
     log = (finished / "logs" / "regenerate" / "shard-00000.log").read_text()
-    assert log.count("prompts, shape") == 1  # the other batch came from the kept part
+    assert log.count(" saved (") == 1  # the other part came from the kept answers
 
 
 def test_a_run_trained_but_not_evaluated_has_a_row_of_training_figures(tmp_path):

@@ -103,7 +103,7 @@ def test_extra_features_are_trained_on_but_never_held_out(tmp_path, tiny_feature
     added = [s for s in both.samples if s.shard >= own]
     assert len(added) == len(alone.samples) + len(alone.val_samples)  # all of the copy trains
     assert both.samples[: len(alone.samples)] == alone.samples
-    assert both.fingerprint["extra_features"] == [str(extra / "manifest.json")]
+    assert both.fingerprint["train.extra_features"] == [str(extra / "manifest.json")]
 
     manifest = json.loads((extra / "manifest.json").read_text())
     (extra / "other.json").write_text(json.dumps({**manifest, "layer_ids": [0]}))
@@ -182,7 +182,10 @@ def test_train_with_the_ranking_term(tmp_path, tiny_features):
     assert (out / "drafter" / "model.safetensors").is_file()
     trainer = Trainer(Config.from_dict(raw), tiny_features["manifest"], tmp_path / "fresh",
                       torch.device("cpu"))  # fmt: skip
-    assert trainer.fingerprint["rank"] == [0.3, 4]  # another objective: not a run to resume
+    assert (trainer.fingerprint["train.rank_weight"], trainer.fingerprint["train.rank_k"]) == (
+        0.3,
+        4,
+    )
     plan = epoch_plan(trainer.samples, trainer.tokens, 0, 0, 0, 1)
     batch = PackedBatches(trainer.shards, trainer.samples, plan, trainer.tokens, 16, 0, 0)[0]
     with torch.no_grad():
@@ -214,7 +217,11 @@ def test_sample_fraction_trains_on_a_seeded_share(tmp_path, tiny_features):
     assert len(half.samples) == round(len(full.samples) / 2) > 0
     assert all(s in full.samples for s in half.samples) and half.samples == again.samples
     assert half.val_samples == full.val_samples
-    assert half.fingerprint["sample_fraction"] == 0.5 and "sample_fraction" not in full.fingerprint
+    assert (
+        half.fingerprint["train.sample_fraction"]
+        == 0.5
+        != full.fingerprint["train.sample_fraction"]
+    )
     raw["train"].update(sample_fraction=0)
     with pytest.raises(ConfigError, match="sample_fraction"):
         Config.from_dict(raw)
@@ -301,7 +308,7 @@ def test_fsdp_matches_ddp_and_resumes_after_a_kill(tmp_path, tiny_features, monk
     monkeypatch.delenv("DFLASHPIPE_KILL_AT")
     assert (killed / "run" / "step-00000002").is_dir() and not (killed / "drafter").exists()
     saved = json.loads((killed / "run" / "step-00000002" / "fingerprint.json").read_text())
-    assert saved["parallel"] == "fsdp" and saved["world"] == 2  # the sharded path ran
+    assert saved["train.parallel"] == "fsdp" and saved["world"] == 2  # the sharded path ran
     launch(*args)
     got = _rows(killed / "metrics.jsonl")
     assert [r["step"] for r in got] == [r["step"] for r in b]
@@ -553,7 +560,8 @@ def test_answers_per_prompt_trains_on_each_prompts_first_answers(tmp_path, tiny_
     assert one.val_samples == two.val_samples == every.val_samples
     assert one.train_tokens == sum(s.length for s in one.samples) < two.train_tokens
     assert (
-        one.fingerprint["answers_per_prompt"] == 1 and "answers_per_prompt" not in every.fingerprint
+        one.fingerprint["train.answers_per_prompt"] == 1
+        and every.fingerprint["train.answers_per_prompt"] is None
     )
     raw["train"].update(answers_per_prompt=3)
     with pytest.raises(
@@ -579,7 +587,7 @@ def test_dropout_and_weight_decay_regularize_training_only(tmp_path, tiny_featur
     raw["train"].update(dropout=0.5, weight_decay=0.1, val_samples=4, lr=0.01, warmup_ratio=0)
     t = Trainer(Config.from_dict(raw), tiny_features["manifest"], tmp_path / "t",
                 torch.device("cpu"))  # fmt: skip
-    assert (t.fingerprint["dropout"], t.fingerprint["weight_decay"]) == (0.5, 0.1)
+    assert (t.fingerprint["train.dropout"], t.fingerprint["train.weight_decay"]) == (0.5, 0.1)
     plan = epoch_plan(t.samples, t.tokens, 0, 0, 0, 1)
     batch = PackedBatches(t.shards, t.samples, plan, t.tokens, 16, 0, 0)[0]
     with torch.no_grad():

@@ -1,5 +1,4 @@
 # Shared helpers: config validation, the resolved config file the CLI reads, input functions.
-import os
 import re
 import sys
 from pathlib import Path
@@ -13,6 +12,7 @@ try:
     from dflashpipe.config import Config
     from dflashpipe.errors import ConfigError
     from dflashpipe import stages
+    from dflashpipe.checkout import put_first_on_pythonpath
     from dflashpipe.preflight import check_against_target
     from dflashpipe.storage import atomic_path
 except ImportError as e:
@@ -34,13 +34,9 @@ RESULTS = "results"
 LOGS = f"{RESULTS}/logs"
 BENCH = f"{RESULTS}/benchmarks"
 RESOLVED_CONFIG = f"{RESULTS}/config.resolved.yaml"
-# Every rule runs this checkout's code, also inside a --sdm conda environment and in SLURM jobs
-# (which inherit this environment). Through the environment, not the command: a rule's command
-# is one of its params, and a path in it would replan every job of a copied or moved run.
-_SRC = str(Path(workflow.basedir) / "src")
-os.environ["PYTHONPATH"] = os.pathsep.join(
-    [_SRC] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p and p != _SRC]
-)
+# Jobs run this checkout's code (locally, under --sdm conda, in SLURM jobs) through the
+# environment, not the command; src/dflashpipe/checkout.py says why.
+put_first_on_pythonpath(str(Path(workflow.basedir) / "src"))
 DFLASHPIPE = "python -m dflashpipe"
 
 
