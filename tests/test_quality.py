@@ -154,8 +154,9 @@ def test_quality_driver_main_and_variants(tmp_path, smollm2_dir, tiny_target_dir
     # A shard cut short on one machine finishes on another: its part files travel with the kept
     # answers, and the next machine regenerates only the answers they lack.
     (restored / seq).unlink()
-    # at the last of its 8 answers: one part of 4 is whole (saved), the other lacks that answer
-    kill = {**os.environ, "DFLASHPIPE_KILL_AT": "regenerate.answer:8"}
+    # at the last of its 5 answers (6 prompts, one too long): of its two parts (answers 0-3 and
+    # 4) the one without that answer is whole and saved, the other is not
+    kill = {**os.environ, "DFLASHPIPE_KILL_AT": "regenerate.answer:5"}
     cut = subprocess.run(again, capture_output=True, text=True, timeout=600, env=kill)
     assert cut.returncode != 0 and not (restored / seq).exists()
     assert len(list((restored / "sequences").glob(".shard-00000.parquet.parts/part-*"))) == 1
