@@ -368,20 +368,30 @@ def _weights(out):
     return load_file(out / "drafter" / "model.safetensors")
 
 
+def _in_process(tmp_path, tiny_features, name, **train):
+    """The train stage of one process, here (no interpreter to start): trainer, export, metrics."""
+    from dflashpipe.train import train_and_export
+
+    raw = json.loads(json.dumps(tiny_features["raw"]))
+    raw["train"].update(train)
+    out = tmp_path / name
+    trainer = train_and_export(Config.from_dict(raw), tiny_features["manifest"], out / "run",
+                               out / "drafter", out / "metrics.jsonl", torch.device("cpu"))  # fmt: skip
+    return trainer, out
+
+
 def test_a_changed_config_trains_afresh_and_sets_the_old_run_aside(tmp_path, tiny_features, caplog):
     """A finished run, then train.lr halved: the rerun does not resume the finished run (it would
     re-export the old drafter); its checkpoints move aside, the log names the key, the new
     drafter differs and its metrics follow the new schedule from step 1. The same for a key of
     another section that train reads (drafter.num_layers)."""
-    args, out = _train(tmp_path, tiny_features, "lr", max_steps=4, log_every=1)
-    launch(*args)
+    _, out = _in_process(tmp_path, tiny_features, "lr", max_steps=3, log_every=1)
     before, rows = _weights(out), _rows(out / "metrics.jsonl")
     lr = Config.from_dict(tiny_features["raw"]).train.lr
-    args, _ = _train(tmp_path, tiny_features, "lr", max_steps=4, log_every=1, lr=lr / 2)
-    launch(*args)
+    _in_process(tmp_path, tiny_features, "lr", max_steps=3, log_every=1, lr=lr / 2)
     after, again = _weights(out), _rows(out / "metrics.jsonl")
     assert any(not torch.equal(before[k], after[k]) for k in before)
-    assert [r["step"] for r in again] == [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert [r["step"] for r in again] == [r["step"] for r in rows] == [1, 2, 3]
     for old, new in zip(rows, again, strict=True):  # the whole schedule scaled by the new lr
         assert new["lr"] == pytest.approx(old["lr"] / 2, rel=1e-6)
     moved = out / "run.superseded-1"
@@ -389,7 +399,7 @@ def test_a_changed_config_trains_afresh_and_sets_the_old_run_aside(tmp_path, tin
         p.name for p in (out / "run").glob("step-*")
     )
     raw = json.loads(json.dumps(tiny_features["raw"]))
-    raw["train"].update(max_steps=4, log_every=1, lr=lr / 2)
+    raw["train"].update(max_steps=3, log_every=1, lr=lr / 2)
     raw["drafter"]["num_layers"] = 2
     with caplog.at_level("WARNING", logger="dflashpipe.train"):
         trainer = Trainer(Config.from_dict(raw), tiny_features["manifest"], out / "run",
@@ -398,23 +408,21 @@ def test_a_changed_config_trains_afresh_and_sets_the_old_run_aside(tmp_path, tin
     assert "drafter.num_layers changed" in caplog.text
 
 
-def test_resume_safe_keys_resume_and_more_epochs_continue(tmp_path, tiny_features, caplog):
+def test_resume_safe_keys_resume_and_more_epochs_continue(tmp_path, tiny_features):
     """Changing only log_every resumes the finished run (nothing trained again, same drafter);
     raising epochs continues from its last step; neither sets the run aside."""
-    args, out = _train(tmp_path, tiny_features, "safe", epochs=1)
-    launch(*args)
-    steps = _rows(out / "metrics.jsonl")[-1]["step"]
-    before = _weights(out)
-    args, _ = _train(tmp_path, tiny_features, "safe", epochs=1, log_every=1)
-    launch(*args)
+    first, out = _in_process(tmp_path, tiny_features, "safe", epochs=1, log_every=2)
+    before, rows = _weights(out), _rows(out / "metrics.jsonl")
+    assert first.step >= 3 and len(rows) < first.step
+    again, _ = _in_process(tmp_path, tiny_features, "safe", epochs=1, log_every=1)
+    assert again.step == first.step
     assert all(torch.equal(before[k], v) for k, v in _weights(out).items())
-    raw = json.loads(json.dumps(tiny_features["raw"]))
-    raw["train"].update(epochs=2, log_every=1)
-    trainer = Trainer(Config.from_dict(raw), tiny_features["manifest"], out / "run",
-                      torch.device("cpu"))  # fmt: skip
-    assert trainer.step == steps and trainer.total_steps > steps
-    trainer.train()
-    assert trainer.step == trainer.total_steps
+    assert (
+        _rows(out / "metrics.jsonl") == rows
+    )  # nothing trained again (a fresh run logs each step)
+    longer, _ = _in_process(tmp_path, tiny_features, "safe", epochs=2, log_every=1)
+    assert longer.step == longer.total_steps > first.step
+    assert _rows(out / "metrics.jsonl")[-1]["step"] == longer.step
     assert not list(out.glob("run.superseded-*"))
 
 

@@ -524,6 +524,22 @@ class Trainer:
             dist.barrier()
 
 
+def train_and_export(cfg: Config, manifest: Path, run_dir: Path, drafter: str | Path,
+                     metrics: str | Path, device: torch.device) -> Trainer:  # fmt: skip
+    """One process's share of the stage: train (resuming where the run directory allows), then
+    export the drafter and the metrics (rank 0)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    trainer = Trainer(cfg, manifest, run_dir, device)
+    trainer.train()
+    weights = trainer.export_state()  # every rank: a collective under FSDP
+    if trainer.rank == 0:
+        save_drafter(trainer.drafter, drafter, dtype=torch.bfloat16, tensors=weights)
+        with atomic_path(metrics) as tmp:
+            shutil.copyfile(run_dir / "metrics.jsonl", tmp)
+        write_json(run_dir / "summary.json", {"steps": trainer.step, "skipped": trainer.stats})
+    return trainer
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point of one training process: a torchrun worker, or the only process."""
     ap = argparse.ArgumentParser(prog="dflashpipe.train")
@@ -555,16 +571,9 @@ def main(argv: list[str] | None = None) -> None:
         if threads
         else max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     )
-    run_dir = Path(args.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    trainer = Trainer(cfg, Path(args.manifest), run_dir, device)
-    trainer.train()
-    weights = trainer.export_state()  # every rank: a collective under FSDP
-    if trainer.rank == 0:
-        save_drafter(trainer.drafter, args.drafter, dtype=torch.bfloat16, tensors=weights)
-        with atomic_path(args.metrics) as tmp:
-            shutil.copyfile(run_dir / "metrics.jsonl", tmp)
-        write_json(run_dir / "summary.json", {"steps": trainer.step, "skipped": trainer.stats})
+    train_and_export(
+        cfg, Path(args.manifest), Path(args.run_dir), args.drafter, args.metrics, device
+    )
     if dist.is_initialized():
         dist.destroy_process_group()
 
