@@ -36,6 +36,7 @@ from dflashpipe.decoding.families import (
     final_softcap,
     fold_mask,
     fuse_layer,
+    graph_safe_experts,
     head_shape,
     layer_attention,
     layer_out,
@@ -198,6 +199,7 @@ class BatchedEngine:
         if self.graphs and not cuda:
             raise ValueError(f"CUDA graphs need a CUDA device; the target is on {self.device}")
         self.compiled = self.graphs if compile is None else compile
+        graph_safe_experts(model, self.graphs, self.compiled)  # a MoE target's, fixed-shape
         heads, kv_heads, head_dim = head_shape(model.config)
         self.kv_shape = (kv_heads, 1, head_dim)
         self.groups = heads // kv_heads

@@ -145,6 +145,32 @@ def rope_tables(
     return tables, [kinds.index(k) for k in keys]
 
 
+def graph_safe_experts(model: nn.Module, graphs: bool, compiled: bool) -> str | None:
+    """Set a mixture-of-experts target's experts implementation to one its step functions can
+    be compiled whole and captured with (transformers' `set_experts_implementation`); returns
+    the new one, None where nothing changed. "eager" loops over the experts hit (a host sync,
+    and a graph break): refused by fullgraph compilation; "grouped_mm" is captured in bf16 only
+    (other dtypes, under compilation, fall back to a loop that reads the group sizes back to
+    the host: the float32 lossless pass on a GPU). "batched_mm" gathers each token's experts'
+    weights and runs them as batched matmuls: fixed shapes, no sync, any dtype."""
+    impl = getattr(model.config, "_experts_implementation", None)
+    moe = any(runs_experts(layer.mlp) for layer in model.get_decoder().layers)
+    if not moe or impl == "batched_mm" or not (graphs or compiled):
+        return None
+    if impl == "eager" or (graphs and not (impl == "grouped_mm" and model.dtype == torch.bfloat16)):
+        model.set_experts_implementation("batched_mm")
+        return "batched_mm"
+    return None
+
+
+def runs_experts(mlp: nn.Module) -> bool:
+    """Whether a decoder layer's MLP is a mixture of experts (run as the model's own module)
+    rather than a gate/up/down MLP (run fused)."""
+    return not hasattr(mlp, "gate_proj") and not isinstance(
+        getattr(mlp, "gate_up_proj", None), nn.Linear
+    )
+
+
 def final_softcap(config) -> float | None:
     """Gemma's final logit soft-capping, None for the others."""
     return getattr(config.get_text_config(), "final_logit_softcapping", None)
@@ -217,11 +243,11 @@ def fuse_layer(layer: nn.Module) -> Fused:
         qkv = _weights(attn.qkv_proj)
     else:
         qkv = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
-    if hasattr(mlp, "gate_up_proj") and isinstance(mlp.gate_up_proj, nn.Linear):
-        return (*qkv, *_weights(mlp.gate_up_proj))
+    if runs_experts(mlp):
+        return (*qkv, None, None)
     if hasattr(mlp, "gate_proj"):
         return (*qkv, *_fuse([mlp.gate_proj, mlp.up_proj]))
-    return (*qkv, None, None)
+    return (*qkv, *_weights(mlp.gate_up_proj))
 
 
 def _weights(linear: nn.Linear) -> tuple[Tensor, Tensor | None]:
