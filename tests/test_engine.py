@@ -22,8 +22,9 @@ from dflashpipe.decoding.eager import (
     speculative_decode,
 )
 from dflashpipe.decoding.engine import Engine
+from dflashpipe.decoding.families import attend_cache, fold_mask
 from dflashpipe.decoding.lookup import PromptLookupProposer
-from dflashpipe.decoding.static_models import StaticDrafter, StaticTarget, attend_cache, fold_mask
+from dflashpipe.decoding.static_models import StaticDrafter, StaticTarget
 from dflashpipe.model import Drafter, DrafterConfig
 from dflashpipe.taps import LayerTaps
 
@@ -390,7 +391,7 @@ def test_compiled_layers_decode_as_the_eager_ones(llama, drafter, engine):
 
 
 def test_compiled_attention_equals_sdpa_under_a_folded_mask():
-    """The compiled path's plain-op attention (static_models.attend_cache) against SDPA's, GQA
+    """The compiled path's plain-op attention (families.attend_cache) against SDPA's, GQA
     folded, a causal-plus-prefix mask in which padding slots past the valid length stay hidden."""
     g = torch.Generator().manual_seed(3)
     q = torch.randn(1, 6, 5, 16, generator=g)  # 6 query heads over 2 KV heads, 5 new rows

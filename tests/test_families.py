@@ -26,7 +26,8 @@ import dflashpipe.decoding.ddtree  # noqa: F401 (registers the engine's "ddtree"
 from dflashpipe.config import TargetConfig
 from dflashpipe.decoding.batched import BatchedEngine, Request
 from dflashpipe.decoding.eager import DFlashProposer, Target, greedy_decode, speculative_decode
-from dflashpipe.decoding.families import layer_windows
+from dflashpipe.decoding.engine import Engine
+from dflashpipe.decoding.families import graph_safe_experts, layer_windows
 from dflashpipe.decoding.hf_generate import generate_batch, generation_config
 from dflashpipe.decoding.lookup import LookupConfig, PromptLookupProposer
 from dflashpipe.decoding.runner import Decoders
@@ -266,3 +267,20 @@ def test_the_stages_run_the_family_on_the_engine(family_dir, target, tmp_path):
         assert decoders.decode("dflash", ids, NEW, set()).output_ids == expected
     finally:
         decoders.close()
+
+
+def test_experts_run_capturable_under_graphs(family_dir, prompts, reference):
+    """Under CUDA graphs a mixture-of-experts target's experts switch to batched_mm (fixed
+    shapes, no host sync, any dtype: transformers' grouped_mm would read group sizes back in
+    float32) and still decode the reference; a dense target is left as it is."""
+    name, path = family_dir
+    cfg = TargetConfig(model=str(path), attn_implementation=ATTENTION.get(name, "sdpa"))
+    model, tok = load_target(cfg, torch.device("cpu"))  # a fresh copy: the switch changes it
+    switched = graph_safe_experts(model, graphs=True, compiled=True)
+    if name not in ("qwen3_moe", "gpt_oss"):
+        assert switched is None
+        return
+    assert switched == model.config._experts_implementation == "batched_mm"
+    engine = Engine(model, MAX_LEN)
+    for ids, expected in zip(prompts, reference, strict=True):
+        assert engine.greedy(ids, NEW, {tok.eos_token_id}).output_ids == expected

@@ -14,7 +14,8 @@ Cache: one buffer (2 x layers, R + 1, n_kv, capacity, D); row r holds its sequen
 positions 0..length-1, so nothing depends on the slot a request lands in or on its neighbours
 (sampling too: sampling.py). Row R is scratch, written by the pad rows of prefill chunks (padded
 to a power-of-two row count: few shapes). The step attends over each row's whole buffer under a
-length mask, so its shape never changes.
+length mask (a windowed layer's also drops what lies past its window), so its shape never
+changes.
 
 Pipelined by one step: the host reads step t-1 back while step t runs and refills the rows it
 finished after step t, so a finished row idles exactly one step and the device never waits on
