@@ -115,8 +115,10 @@ def layer_windows(config) -> list[int | None]:
     tc = config.get_text_config()
     n, rule = tc.num_hidden_layers, family(config).windows
     window = getattr(tc, "sliding_window", None)
-    if rule == "all" or window is None or rule == "none":
-        return [window if rule == "all" else None] * n
+    if rule == "none" or window is None:
+        return [None] * n
+    if rule == "all":
+        return [window] * n
     types = getattr(tc, "layer_types", None) or ["full_attention"] * n
     return [window if t == "sliding_attention" else None for t in types]
 
