@@ -84,9 +84,9 @@ def decode_inputs(
     index of its K/V (R, Hkv, 1, D), and per entry of `windows` the folded mask (R, 1, g, C) the
     layers of that window share: the row's committed slots and its new one (within the window)."""
     R = token.shape[0]
-    mask = cols[None] <= length[:, None]  # (R, C)
-    masks = [windowed(mask[:, None], length[:, None], cols[None], w)[:, None].expand(R, 1, groups, -1)
-             for w in windows]  # fmt: skip
+    full = (cols[None] <= length[:, None])[:, None]  # (R, 1, C): one query per row
+    masks = [windowed(full, length[:, None], cols[None], w)[:, None].expand(R, 1, groups, -1)
+             for w in windows]  # (R, 1, g, C) each  # fmt: skip
     index = length.view(R, 1, 1, 1).expand(R, *kv_shape)  # (R, Hkv, 1, D)
     ropes = [(cos[length][:, None, None], sin[length][:, None, None]) for cos, sin in tables]
     return embed(token), ropes, index, masks
@@ -179,8 +179,9 @@ def bucket(n: int, capacity: int) -> int:
 class BatchedEngine:
     """Generation for many requests over `rows` row slots of a static cache of `capacity` slots
     each (prompt + max_new_tokens must fit). The target's q/k/v and gate/up weights become views
-    of fused ones (static_models.fuse_layer). `graphs` (default: on CUDA) captures the decode step and
-    each prefill shape as CUDA graphs; `compile` (default: with graphs) compiles the step's
+    of fused ones (families.fuse_layer); a mixture of experts runs capturable experts under
+    graphs (families.graph_safe_experts). `graphs` (default: on CUDA) captures the decode step
+    and each prefill shape as CUDA graphs; `compile` (default: with graphs) compiles the step's
     per-layer functions for their one shape. `memory_budget`: bytes the cache and step buffers
     may take (None: memory.MEMORY_SHARE of the free memory)."""
 

@@ -1,18 +1,21 @@
 """Target families on the static models: what differs between them, layer by layer, run with the
 model's own modules and weights (its norms, activations, rotary embedding, experts).
 
-    family        attention                                   MLP                   windowed layers
-    llama         q/k/v (biases optional)                     SwiGLU gate/up/down   -
-    qwen2, qwen3  q/k/v biases; qwen3 per-head q/k RMSNorm    SwiGLU                per layer_types
-    mistral       as llama                                    SwiGLU                all (sliding_window)
-    phi3          fused qkv_proj, partial RoPE                fused gate_up_proj    all (sliding_window)
-    qwen3_moe     per-head q/k RMSNorm                        the model's sparse    all (sliding_window)
-                                                              block (router+experts)
-    gemma3_text   q/k RMSNorm, query_pre_attn_scalar scaling, GeGLU, norms after    per layer_types
-                  RoPE per layer type (local/global theta)    attention and around  (5 of 6)
-                                                              the MLP
-    gpt_oss       q/k/v/o biases, per-head sink logits,       the model's experts   per layer_types
-                  RoPE over the two halves (YaRN)                                   (alternate)
+    family        attention                                 MLP                   windows
+    llama         q/k/v (biases optional)                   SwiGLU gate/up/down   -
+    qwen2, qwen3  q/k/v biases; qwen3 per-head q/k RMSNorm  SwiGLU                layer_types
+    mistral       as llama                                  SwiGLU                every layer
+    phi3          fused qkv_proj, partial RoPE              fused gate_up_proj    every layer
+    qwen3_moe     per-head q/k RMSNorm                      the model's sparse    every layer
+                                                            block (router+experts)
+    gemma3_text   q/k RMSNorm, query_pre_attn_scalar        GeGLU; norms after    layer_types
+                  scaling, RoPE per layer type              attention and around  (5 of 6)
+                  (local/global theta)                      the MLP
+    gpt_oss       q/k/v/o biases, per-head sink logits,     the model's experts   layer_types
+                  RoPE over the two halves (YaRN)                                 (alternate)
+
+"every layer": config.sliding_window, when set, on all layers; "layer_types": on the config's
+sliding_attention layers.
 
 Gemma 3's sqrt(H)-scaled embedding is its embedding module's own forward, and its final logit
 soft-capping (when set) is applied to the LM head's output (`final_softcap`). A window w lets a
