@@ -22,8 +22,9 @@ from dflashpipe.decoding.eager import (
     speculative_decode,
 )
 from dflashpipe.decoding.engine import Engine
+from dflashpipe.decoding.families import attend_cache, fold_mask
 from dflashpipe.decoding.lookup import PromptLookupProposer
-from dflashpipe.decoding.static_models import StaticDrafter, StaticTarget, attend_cache, fold_mask
+from dflashpipe.decoding.static_models import StaticDrafter, StaticTarget
 from dflashpipe.model import Drafter, DrafterConfig
 from dflashpipe.taps import LayerTaps
 
@@ -110,15 +111,19 @@ def reference_taps(model, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
 
 def biased(name: str):
     """Targets whose projections carry biases (Qwen2's q/k/v; Llama with attention_bias and
-    mlp_bias), so the fused q/k/v and gate/up linears must carry them too."""
+    mlp_bias), so the fused q/k/v and gate/up linears must carry them too; a Qwen3 with a
+    sliding-window layer (tests/test_families.py covers the other families)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     if name == "qwen2":
         return tiny(Qwen2Config, Qwen2ForCausalLM)
+    if name == "qwen3-sliding":  # layer 1 of 2 windowed, the window shorter than the prompt
+        return tiny(Qwen3Config, Qwen3ForCausalLM, use_sliding_window=True, sliding_window=4,
+                    max_window_layers=1)  # fmt: skip
     return tiny(LlamaConfig, LlamaForCausalLM, attention_bias=True, mlp_bias=True)
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen3", "qwen2", "llama-biased"])
+@pytest.mark.parametrize("name", ["llama", "qwen3", "qwen2", "llama-biased", "qwen3-sliding"])
 def test_static_target_matches_the_hf_forward(request, name):
     model = request.getfixturevalue(name) if name in ("llama", "qwen3") else biased(name)
     target = StaticTarget(model, 32, TAPS)
@@ -325,15 +330,11 @@ def test_refuses_what_does_not_fit(llama, drafter):
 
 
 def test_refuses_unsupported_targets():
-    sliding = tiny(
-        Qwen3Config,
-        Qwen3ForCausalLM,
-        use_sliding_window=True,
-        sliding_window=8,
-        max_window_layers=1,
+    dynamic = tiny(
+        LlamaConfig, LlamaForCausalLM, rope_parameters={"rope_type": "dynamic", "factor": 2.0}
     )
-    with pytest.raises(ValueError, match="qwen3 target has sliding-window layers"):
-        StaticTarget(sliding, 32)
+    with pytest.raises(ValueError, match="llama target uses rope_type 'dynamic'"):
+        StaticTarget(dynamic, 32)
     gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50))
     with pytest.raises(ValueError, match="not 'gpt2'"):
         StaticTarget(gpt2, 32)
@@ -390,7 +391,7 @@ def test_compiled_layers_decode_as_the_eager_ones(llama, drafter, engine):
 
 
 def test_compiled_attention_equals_sdpa_under_a_folded_mask():
-    """The compiled path's plain-op attention (static_models.attend_cache) against SDPA's, GQA
+    """The compiled path's plain-op attention (families.attend_cache) against SDPA's, GQA
     folded, a causal-plus-prefix mask in which padding slots past the valid length stay hidden."""
     g = torch.Generator().manual_seed(3)
     q = torch.randn(1, 6, 5, 16, generator=g)  # 6 query heads over 2 KV heads, 5 new rows

@@ -133,6 +133,7 @@ def test_methods_and_ddtree_budgets_are_tabled_and_plotted(tmp_path):
     assert "| prompt lookup | static | 1.900 | - | - | 18.0 | 1.30x vs target | - |" in md  # older
     assert "| DDTree, 32 nodes | static | 3.100 | - | - | 18.0 | 1.95x vs target | 1.000 |" in md
     assert "![ddtree](r/ddtree.png)" in md
+    assert "eager loop:" not in md
     assert mpimg.imread(tmp_path / "r" / "ddtree.png").shape[0] > 100
 
 
@@ -173,3 +174,26 @@ def test_the_serving_lines_are_this_runs(tmp_path, monkeypatch):
     (tmp_path / "eval.json").write_text(json.dumps(EVAL))  # metrics without a drafter record
     run(*paths, "results/report", "results/report.md")
     assert "Serve the drafter" not in (tmp_path / "results" / "report.md").read_text()
+
+
+def test_a_run_on_the_eager_loop_says_why_under_its_methods_table(tmp_path):
+    """A family the static engine does not cover: the methods table's rows say eager, and the
+    line under it the reason (from metrics.json's engine entry) and that DDTree was not run."""
+    paths = _inputs(tmp_path)
+    ev = json.loads((tmp_path / "eval.json").read_text())
+    row = {"engine": "eager", "decode_tokens_per_s": 9.0, "speedup_against": "target",
+           "acceptance_length": 2.0, "speedup": 1.2}  # fmt: skip
+    reason = "StaticTarget supports model types (...), not 'gpt2'; decode it with the eager loop"
+    ev |= {
+        "engine": {"kind": "eager", "graphs": False, "compiled": False, "reason": reason},
+        "methods": {"target": row | {"acceptance_length": None, "speedup": 1.0}, "dflash": row},
+        "ddtree": {},
+    }
+    (tmp_path / "eval.json").write_text(json.dumps(ev))
+    run(*paths, str(tmp_path / "r"), str(tmp_path / "r.md"))
+    md = (tmp_path / "r.md").read_text()
+    assert "- engine: eager (why: below the methods table)" in md
+    assert "| DFlash drafter | eager | 2.000 |" in md
+    table_end = md.index("| DFlash drafter | eager")
+    assert md.index(f"eager loop: {reason} (speedups of the eager loop") > table_end
+    assert "DDTree needs the static engine: not run" in md

@@ -365,7 +365,7 @@ def engine_kind(gen: RegenerateConfig, target) -> tuple[str, str]:
     """(kind, why): the engine regenerate.engine picks for the target (its transformers config,
     read before the weights load): static where the static models support the family, hf
     otherwise (auto) or refused (static)."""
-    from dflashpipe.decoding.static_models import check_target_config
+    from dflashpipe.decoding.families import check_target_config
     from dflashpipe.target import load_target_config
 
     if gen.engine == "hf":

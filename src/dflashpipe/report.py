@@ -173,7 +173,19 @@ def methods_table(evaluation: dict) -> str:
     note = ("\n\ntau is the mean of the prompts' acceptance lengths; tokens per step pools every "
             "step of every prompt, and step is a method's mean step in target-only steps, so "
             "speedup = tokens per step / step.")  # fmt: skip
-    return head + "|---|---|---|---|---|---|---|---|\n" + "\n".join(lines) + note
+    return (
+        head + "|---|---|---|---|---|---|---|---|\n" + "\n".join(lines) + _eager(evaluation) + note
+    )
+
+
+def _eager(evaluation: dict) -> str:
+    """Below the table, why the methods ran on the eager loop (its speedups are those of a
+    Python loop over the HF model, and DDTree has no eager loop), when they did."""
+    engine = evaluation.get("engine") or {}
+    if engine.get("kind") != "eager":
+        return ""
+    return (f"\n\neager loop: {engine.get('reason') or 'evaluate.engine: eager'} (speedups of the "
+            "eager loop, not the static engine's; DDTree needs the static engine: not run)")  # fmt: skip
 
 
 def _features(manifest: dict) -> str:
@@ -188,8 +200,8 @@ def _engine(evaluation: dict) -> str:
         return ""
     graphs = ", CUDA graphs" if engine["graphs"] else ""
     graphs += ", compiled steps" if engine.get("compiled") else ""
-    reason = f" ({engine['reason']})" if engine.get("reason") else ""
-    return f"\n- engine: {engine['kind']}{graphs}{reason}"
+    eager = " (why: below the methods table)" if engine["kind"] == "eager" else ""
+    return f"\n- engine: {engine['kind']}{graphs}{eager}"
 
 
 def serving(evaluation: dict) -> str:

@@ -1,7 +1,10 @@
 """Everything that decodes: greedy decoding with a target and, optionally, a drafter.
 
     types           Decoded (one response), the Proposer protocol, clock and finish
-    static_models   StaticTarget / StaticDrafter: the models over fixed KV buffers (check_target)
+    families        what differs per target family (Llama, Qwen2/3, Qwen3-MoE, Mistral, Phi-3,
+                    Gemma 3, gpt-oss): fused projections, norms, MoE blocks, per-layer windows
+                    and RoPE tables, sinks, soft-capping; check_target (others: eager loop)
+    static_models   StaticTarget / StaticDrafter: the models over fixed KV buffers
     engine          Engine: static caches, fixed-shape steps as CUDA graphs; a registry of step
                     families (Engine.register_steps) for plug-ins
     tree_search     DDTree's draft trees: best-first search (host and device), walk
@@ -16,13 +19,13 @@
     memory          what the batched engine's buffers take against the device's free memory
     hf_generate     transformers' generate() on padded batches: regenerate's fallback path
 
-    evaluate ─► runner ─┬─► engine ──► static_models ──► tree_search
+    evaluate ─► runner ─┬─► engine ──► static_models ──► families, tree_search
                         │     ▲
                         │     └── ddtree (registers its step family) ──► tree_search
                         ├─► eager ──► dflashpipe.taps (the same taps as extract)
                         └─► lookup
     evaluate ─► summary
-    regenerate ─┬─► batched ──► static_models, sampling, memory
+    regenerate ─┬─► batched ──► families, static_models, sampling, memory
                 └─► hf_generate (families the static models do not cover)
     engine, ddtree, eager, lookup, runner, summary ──► types
 

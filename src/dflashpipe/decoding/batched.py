@@ -14,7 +14,8 @@ Cache: one buffer (2 x layers, R + 1, n_kv, capacity, D); row r holds its sequen
 positions 0..length-1, so nothing depends on the slot a request lands in or on its neighbours
 (sampling too: sampling.py). Row R is scratch, written by the pad rows of prefill chunks (padded
 to a power-of-two row count: few shapes). The step attends over each row's whole buffer under a
-length mask, so its shape never changes.
+length mask (a windowed layer's also drops what lies past its window), so its shape never
+changes.
 
 Pipelined by one step: the host reads step t-1 back while step t runs and refills the rows it
 finished after step t, so a finished row idles exactly one step and the device never waits on
@@ -31,20 +32,24 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from dflashpipe.decoding.memory import check_fit
-from dflashpipe.decoding.sampling import Sampling, draw
-from dflashpipe.decoding.static_models import (
-    CAPACITY_ALIGN,
-    attend_cache,
+from dflashpipe.decoding.families import (
     check_target,
-    compiled,
+    final_softcap,
     fold_mask,
     fuse_layer,
-    kv_buffer,
+    graph_safe_experts,
+    head_shape,
+    layer_attention,
     layer_out,
     layer_qkv,
+    layer_windows,
+    rope_tables,
+    rotate,
+    windowed,
 )
-from dflashpipe.model import apply_rope
+from dflashpipe.decoding.memory import check_fit
+from dflashpipe.decoding.sampling import Sampling, draw
+from dflashpipe.decoding.static_models import CAPACITY_ALIGN, compiled, kv_buffer
 
 WARMUP_RUNS = 3  # eager runs on a side stream before a capture, as the CUDA-graph docs advise
 MIN_BUCKET = 16  # the shortest prefill length bucket
@@ -71,17 +76,20 @@ class Answer:
 
 
 def decode_inputs(
-    embed: nn.Module, cos: Tensor, sin: Tensor, cols: Tensor, token: Tensor, length: Tensor,
-    groups: int, kv_shape: tuple[int, int],
-) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
+    embed: nn.Module, tables: list[tuple[Tensor, Tensor]], cols: Tensor, token: Tensor,
+    length: Tensor, windows: list[int | None], groups: int, kv_shape: tuple[int, int],
+) -> tuple[Tensor, list[tuple[Tensor, Tensor]], Tensor, list[Tensor]]:  # fmt: skip
     """A decode step's inputs to its layers: embeddings (R, H) of each row's input token at
-    position = slot = length (R,), its RoPE rows (R, 1, 1, D) from the tables (C, D), the
-    scatter index of its K/V (R, Hkv, 1, D), and the folded mask (R, 1, g, C) every layer
-    shares: the row's committed slots and its new one."""
+    position = slot = length (R,), per RoPE table (C, D) its rows (R, 1, 1, D), the scatter
+    index of its K/V (R, Hkv, 1, D), and per entry of `windows` the folded mask (R, 1, g, C) the
+    layers of that window share: the row's committed slots and its new one (within the window)."""
     R = token.shape[0]
-    mask = (cols[None] <= length[:, None])[:, None, None].expand(R, 1, groups, -1)  # (R,1,g,C)
+    full = (cols[None] <= length[:, None])[:, None]  # (R, 1, C): one query per row
+    masks = [windowed(full, length[:, None], cols[None], w)[:, None].expand(R, 1, groups, -1)
+             for w in windows]  # (R, 1, g, C) each  # fmt: skip
     index = length.view(R, 1, 1, 1).expand(R, *kv_shape)  # (R, Hkv, 1, D)
-    return embed(token), cos[length][:, None, None], sin[length][:, None, None], index, mask
+    ropes = [(cos[length][:, None, None], sin[length][:, None, None]) for cos, sin in tables]
+    return embed(token), ropes, index, masks
 
 
 def decode_layer(
@@ -91,10 +99,10 @@ def decode_layer(
     """One decoder layer over one new token per row, x (R, H): each row's K/V written at its own
     slot (index) of its row of the buffers (R, Hkv, C, D), attention over that row only."""
     q, k, v = layer_qkv(layer, x, fused)  # (R, Hq, D), (R, Hkv, D)
-    q = apply_rope(q[:, :, None], cos, sin)  # (R, Hq, 1, D)
-    k_cache.scatter_(2, index, apply_rope(k[:, :, None], cos, sin))
+    q = rotate(q[:, :, None], cos, sin)  # (R, Hq, 1, D)
+    k_cache.scatter_(2, index, rotate(k[:, :, None], cos, sin))
     v_cache.scatter_(2, index, v[:, :, None])
-    y = attend_cache(q, k_cache, v_cache, mask, layer.self_attn.scaling)  # (R, Hq, 1, D)
+    y = layer_attention(layer, q, k_cache, v_cache, mask)  # (R, Hq, 1, D)
     return layer_out(layer, x, y.flatten(1), fused)
 
 
@@ -107,18 +115,18 @@ def prefill_layer(
     themselves (a refilled row has no prefix)."""
     P = x.shape[1]
     q, k, v = layer_qkv(layer, x, fused)  # (n, P, Hq, D), (n, P, Hkv, D)
-    q = apply_rope(q.transpose(1, 2), cos, sin)  # (n, Hq, P, D)
-    k = apply_rope(k.transpose(1, 2), cos, sin)  # (n, Hkv, P, D)
+    q = rotate(q.transpose(1, 2), cos, sin)  # (n, Hq, P, D)
+    k = rotate(k.transpose(1, 2), cos, sin)  # (n, Hkv, P, D)
     v = v.transpose(1, 2)  # (n, Hkv, P, D)
     k_cache[:, :, :P].index_copy_(0, rows, k)
     v_cache[:, :, :P].index_copy_(0, rows, v)
-    y = attend_cache(q, k, v, mask, layer.self_attn.scaling)  # (n, Hq, P, D)
+    y = layer_attention(layer, q, k, v, mask)  # (n, Hq, P, D)
     return layer_out(layer, x, y.transpose(1, 2).flatten(2), fused)
 
 
 def advance(
     norm: nn.Module, lm_head: nn.Module, x: Tensor, state: dict[str, Tensor], stops: Tensor,
-    sampling: Sampling | None,
+    sampling: Sampling | None, softcap: float | None = None,
 ) -> None:  # fmt: skip
     """The step's tokens from the last layer's rows x (R, H) and every row's state, in place:
     active rows take their token (the argmax, or `draw` for sampled rows when `sampling`),
@@ -126,6 +134,8 @@ def advance(
     [emitted, token, done], the step's read-back."""
     s = state
     logits = lm_head(norm(x)).float()  # (R, V)
+    if softcap is not None:  # Gemma's final logit soft-capping
+        logits = torch.tanh(logits / softcap) * softcap
     token = logits.argmax(-1)  # (R,)
     if sampling is not None:
         t = s["produced"].clamp(max=s["uniforms"].shape[1] - 1)[:, None]  # (R, 1)
@@ -169,8 +179,9 @@ def bucket(n: int, capacity: int) -> int:
 class BatchedEngine:
     """Generation for many requests over `rows` row slots of a static cache of `capacity` slots
     each (prompt + max_new_tokens must fit). The target's q/k/v and gate/up weights become views
-    of fused ones (static_models.fuse_layer). `graphs` (default: on CUDA) captures the decode step and
-    each prefill shape as CUDA graphs; `compile` (default: with graphs) compiles the step's
+    of fused ones (families.fuse_layer); a mixture of experts runs capturable experts under
+    graphs (families.graph_safe_experts). `graphs` (default: on CUDA) captures the decode step
+    and each prefill shape as CUDA graphs; `compile` (default: with graphs) compiles the step's
     per-layer functions for their one shape. `memory_budget`: bytes the cache and step buffers
     may take (None: memory.MEMORY_SHARE of the free memory)."""
 
@@ -183,27 +194,30 @@ class BatchedEngine:
         self.capacity = -(-capacity // CAPACITY_ALIGN) * CAPACITY_ALIGN
         check_fit(model, rows, self.capacity, memory_budget)
         self.model, self.base, self.rows = model, model.get_decoder(), rows
-        attn = self.base.layers[0].self_attn
-        weight = attn.k_proj.weight
+        weight = self.base.embed_tokens.weight
         self.device = weight.device
         cuda = self.device.type == "cuda"
         self.graphs = cuda if graphs is None else graphs
         if self.graphs and not cuda:
             raise ValueError(f"CUDA graphs need a CUDA device; the target is on {self.device}")
         self.compiled = self.graphs if compile is None else compile
-        self.kv_shape = (attn.k_proj.out_features // attn.head_dim, 1, attn.head_dim)
-        self.groups = attn.q_proj.out_features // attn.k_proj.out_features
-        shape = (rows + 1, self.kv_shape[0], self.capacity, attn.head_dim)  # row `rows`: scratch
+        graph_safe_experts(model, self.graphs, self.compiled)  # a MoE target's, fixed-shape
+        heads, kv_heads, head_dim = head_shape(model.config)
+        self.kv_shape = (kv_heads, 1, head_dim)
+        self.groups = heads // kv_heads
+        shape = (rows + 1, kv_heads, self.capacity, head_dim)  # row `rows`: scratch
         self.kv, self.k, self.v = kv_buffer(len(self.base.layers), shape, weight)
         self.fused = [fuse_layer(layer) for layer in self.base.layers]
         self.prefill_tokens = prefill_tokens
         self.layer = compiled(decode_layer, self.compiled)
         self.inputs = compiled(decode_inputs, self.compiled)
         self.cols = torch.arange(self.capacity, device=self.device)  # (C,)
-        with torch.no_grad():  # the model's own rotary embedding over every slot, as StaticTarget
-            probe = torch.zeros(1, dtype=weight.dtype, device=self.device)
-            cos, sin = self.base.rotary_emb(probe, self.cols[None])  # (1, C, D)
-        self.cos, self.sin = cos[0], sin[0]  # (C, D)
+        # the model's own rotary embedding over every slot (per RoPE kind), as StaticTarget
+        self.tables, self.rope_of = rope_tables(self.base, self.cols, weight.dtype)
+        per_layer = layer_windows(model.config)
+        self.windows = list(dict.fromkeys(per_layer))  # one mask per distinct window
+        self.mask_of = [self.windows.index(w) for w in per_layer]
+        self.softcap = final_softcap(model.config)
         long = {"dtype": torch.long, "device": self.device}
         # Every row's decode state: graph inputs and outputs, updated in place by the step.
         self.state = {
@@ -296,18 +310,20 @@ class BatchedEngine:
         if sampling not in self._steps:
 
             def tokens(norm, lm_head, x, state, stops):  # sampling: a constant of the graph
-                advance(norm, lm_head, x, state, stops, sampling)
+                advance(norm, lm_head, x, state, stops, sampling, self.softcap)
 
             choose = compiled(tokens, self.compiled)
             k, v = [k[: self.rows] for k in self.k], [v[: self.rows] for v in self.v]
             s, b = self.state, self.base
 
             def step() -> None:
-                x, cos, sin, index, mask = self.inputs(b.embed_tokens, self.cos, self.sin,
-                                                       self.cols, s["token"], s["length"],
-                                                       self.groups, self.kv_shape)  # fmt: skip
+                x, ropes, index, masks = self.inputs(b.embed_tokens, self.tables, self.cols,
+                                                     s["token"], s["length"], self.windows,
+                                                     self.groups, self.kv_shape)  # fmt: skip
                 for i, layer in enumerate(b.layers):
-                    x = self.layer(layer, x, k[i], v[i], cos, sin, index, mask, self.fused[i])
+                    cos, sin = ropes[self.rope_of[i]]
+                    x = self.layer(layer, x, k[i], v[i], cos, sin, index, masks[self.mask_of[i]],
+                                   self.fused[i])  # fmt: skip
                 choose(b.norm, self.model.lm_head, x, s, self.stops)
 
             self._steps[sampling] = step
@@ -373,10 +389,12 @@ class BatchedEngine:
         P = ids.shape[1]
         x = self.base.embed_tokens(ids)  # (n, P, H)
         causal = torch.ones(P, P, dtype=torch.bool, device=self.device).tril()  # (P, P)
-        mask = fold_mask(causal, self.groups)  # (1, 1, g*P, P)
+        pos = self.cols[:P]
+        masks = [fold_mask(windowed(causal, pos, pos, w), self.groups) for w in self.windows]
         for i, layer in enumerate(self.base.layers):
-            x = prefill_layer(layer, x, self.k[i], self.v[i], self.cos[:P], self.sin[:P], rows,
-                              mask, self.fused[i])  # fmt: skip
+            cos, sin = self.tables[self.rope_of[i]]
+            x = prefill_layer(layer, x, self.k[i], self.v[i], cos[:P], sin[:P], rows,
+                              masks[self.mask_of[i]], self.fused[i])  # fmt: skip
 
     def _run(self, key: tuple, fn: Callable, *inputs: Tensor) -> None:
         """fn(*inputs), or with graphs the replay of fn's graph for key (inputs copied into its

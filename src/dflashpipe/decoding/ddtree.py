@@ -5,7 +5,8 @@
     tree            tree_search.grow_tree(..., budget): the best `budget` prefixes, fixed shape
                     (unreachable ones padded), parents, depths, ancestor matrix
     verify          target([anchor, node tokens]) at positions T + depth, slots T..T+budget,
-                    visible = ancestor-or-self -> greedy g_0..g_budget, tapped states
+                    visible = ancestor-or-self (a windowed layer's mask also measures the
+                    window from each node's position) -> greedy g_0..g_budget, tapped states
     walk            tree_search.walk_static(tree, g) -> rows (B,): root, then the matched node per
                     depth, repeated past the deepest; L = matched depth
     commit          target K/V of slots T + rows -> slots T..T+B-1 (StaticTarget.commit);

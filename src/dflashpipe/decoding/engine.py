@@ -40,6 +40,7 @@ instead of every step.
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
@@ -47,10 +48,12 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from dflashpipe.decoding.families import check_target, graph_safe_experts
 from dflashpipe.decoding.static_models import StaticDrafter, StaticTarget, compiled
 from dflashpipe.decoding.types import Decoded, Proposer, clock, finish
 from dflashpipe.model import Drafter
 
+log = logging.getLogger(__name__)
 WARMUP_RUNS = 3  # eager runs on a side stream before capture, as the CUDA-graph docs advise
 # Step shapes per compiled layer function: target 1 (greedy), B (verify), budget+1 per DDTree
 # budget; dynamo's default (8) would fall back to eager from the ninth.
@@ -111,6 +114,9 @@ class Engine:
                 torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT
             )
         layer_ids = list(drafter.config.target_layer_ids) if drafter is not None else []
+        check_target(model)  # before anything of the model changes
+        if switched := graph_safe_experts(model, self.graphs, self.compiled):
+            log.info("target experts run as %s: capturable in %s", switched, model.dtype)
         self.target = StaticTarget(model, max_len, layer_ids, self.compiled)
         self.drafter = (
             StaticDrafter(drafter, max_len, self.compiled) if drafter is not None else None

@@ -10,6 +10,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from dflashpipe.decoding.families import head_shape
+
 MEMORY_SHARE = 0.9  # of the free memory the engine's buffers may take (the rest: allocator slack)
 STEP_FLOATS = 4  # float32 (R, V) tensors a sampled step holds at once (logits, sort, cdf, mask)
 
@@ -17,9 +19,10 @@ STEP_FLOATS = 4  # float32 (R, V) tensors a sampled step holds at once (logits, 
 def cache_bytes(model: nn.Module, rows: int, capacity: int) -> int:
     """The static cache: rows x capacity x layers x 2 (K, V) x kv_heads x head_dim x dtype
     bytes (plus the scratch row)."""
-    base = model.get_decoder()
-    k = base.layers[0].self_attn.k_proj.weight
-    return (rows + 1) * capacity * len(base.layers) * 2 * k.shape[0] * k.element_size()
+    _, kv_heads, head_dim = head_shape(model.config)
+    layers = len(model.get_decoder().layers)
+    size = model.get_input_embeddings().weight.element_size()
+    return (rows + 1) * capacity * layers * 2 * kv_heads * head_dim * size
 
 
 def step_bytes(model: nn.Module, rows: int) -> int:

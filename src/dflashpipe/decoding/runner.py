@@ -27,8 +27,8 @@ from tqdm import tqdm
 import dflashpipe.decoding.ddtree  # noqa: F401 (registers the engine's "ddtree" steps)
 from dflashpipe.decoding.eager import DFlashProposer, Target, greedy_decode, speculative_decode
 from dflashpipe.decoding.engine import Engine
+from dflashpipe.decoding.families import check_target
 from dflashpipe.decoding.lookup import LookupConfig, PromptLookupProposer
-from dflashpipe.decoding.static_models import check_target
 from dflashpipe.decoding.types import Decoded
 from dflashpipe.model import Drafter
 

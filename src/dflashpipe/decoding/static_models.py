@@ -1,11 +1,12 @@
 """Static KV caches: the target and the DFlash drafter over fixed buffers.
 
-    StaticTarget    HF Llama-family model, its own modules and weights; K/V of all layers in one
-                    (2 x layers, 1, n_kv, capacity, D) buffer (per-layer views); new tokens at
-                    explicit slots and positions
+    StaticTarget    an HF causal LM of a supported family (families.py), its own modules and
+                    weights; K/V of all layers in one (2 x layers, 1, n_kv, capacity, D) buffer
+                    (per-layer views); new tokens at explicit slots and positions
                     (a tree's siblings share a position, each has its own slot); mask = committed
-                    prefix (< cache_len) + `visible` among the new slots; commit() moves a kept
-                    tree path behind the prefix
+                    prefix (< cache_len) + `visible` among the new slots, limited per windowed
+                    layer to its sliding window by position; commit() moves a kept tree path
+                    behind the prefix
     StaticDrafter   DFlash drafter; context K/V of all layers in one buffer, projected once per
                     accepted row at slot = position (append: one matmul for every layer), a
                     block [anchor, MASK..] drafted against it (propose, top_k)
@@ -15,13 +16,13 @@ eager DFlashProposer in float32). Only step-time values live on the device: no h
 
 Compilation (`compile=True`, the engine's default on CUDA): the per-layer functions below
 (`target_layer`, `drafter_layer`, `context_rows`) are compiled whole for fixed shapes, one graph
-per step shape, shared by every layer (their weights are arguments); so is the glue around
-the layers (`target_inputs`, `target_outputs`, `drafter_inputs`, `chain_drafts`,
-`tree_candidates`: masks, RoPE rows, embeddings, final norm, LM head, argmax or top-k), which
-would otherwise be a few dozen small kernels per step, each its own launch inside the step's
-graph. A prefill passes `eager=True` and runs them uncompiled, since its length changes per
-prompt. Inside a compiled function `attend_cache` takes plain ops the compiler fuses instead of
-SDPA's kernel.
+per step shape, shared by every layer (their weights are arguments; a sliding and a full layer
+differ only in the mask and RoPE rows they are given); so is the glue around the layers
+(`target_inputs`, `target_outputs`, `drafter_inputs`, `chain_drafts`, `tree_candidates`: masks,
+RoPE rows, embeddings, final norm, LM head, argmax or top-k), which would otherwise be a few
+dozen small kernels per step, each its own launch inside the step's graph. A prefill passes
+`eager=True` and runs them uncompiled, since its length changes per prompt. Inside a compiled
+function `attend_cache` takes plain ops the compiler fuses instead of SDPA's kernel.
 
 Fused projections (both models, as serving engines run them): each layer's q/k/v_proj is one
 matmul and gate/up_proj another (`fuse_layer`; the modules' weights become views of the fused
@@ -35,125 +36,46 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
+from dflashpipe.decoding.families import (
+    Fused,
+    attend_cache,
+    check_target,
+    final_softcap,
+    fold_mask,
+    fuse_layer,
+    fused_mlp,
+    head_shape,
+    layer_attention,
+    layer_out,
+    layer_qkv,
+    layer_windows,
+    project_qkv,
+    rope_tables,
+    rotate,
+    windowed,
+)
 from dflashpipe.decoding.tree_search import draft_candidates
-from dflashpipe.model import Drafter, apply_rope, target_rope_parameters
+from dflashpipe.model import Drafter, apply_rope
 
-SUPPORTED_TARGETS = ("llama", "qwen2", "qwen3")
-# RoPE types whose frequencies change with the sequence length at run time: a table computed once
-# for max_len positions would differ from the model's own per-call values.
-RUNTIME_ROPE = ("dynamic", "longrope")
 CAPACITY_ALIGN = 16  # buffer lengths rounded up: memory-efficient SDPA wants aligned mask rows
-
-
-def fold_mask(mask: Tensor, groups: int) -> Tensor:
-    """A (Q, L) bool mask in the layout `attend_cache` takes: (1, 1, groups*Q, L). Built once per
-    step and shared by every layer."""
-    return mask.repeat(groups, 1)[None, None]
-
-
-def attend_cache(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float | None) -> Tensor:
-    """Attention of queries q (N, Hq, Q, D) over whole static buffers k, v (N, Hkv, L, D) under a
-    folded mask (1 or N, 1, g*Q, L) -> (N, Hq, Q, D); N = 1 but in batched decoding (a sequence
-    per row). The g = Hq/Hkv query heads sharing a KV head are folded into the query length
-    (head h = kv*g + r, as HF's repeat_kv orders them), so no backend needs GQA support and no
-    buffer is expanded per step.
-
-    Uncompiled (CPU, prefill, graphs alone): SDPA's kernel. Compiled (a step's layer function,
-    `compiled`): the same attention in plain ops as HF's eager attention computes it (scores in
-    the model's dtype, softmax in float32), which the compiler fuses into a few kernels around
-    two matmuls. H200, SmolLM2 shape, bf16, torch 2.11 (benchmarks/RESULTS.md): compiled
-    target-only step 1.44 ms with these ops against 1.67 ms with cuDNN's SDPA kernel at 496
-    slots, 1.63 against 2.30 ms at 2,048 slots (cuDNN's kernel takes ~45 us per layer call
-    whatever the valid length)."""
-    N, Hq, Q, D = q.shape
-    Hkv = k.shape[1]
-    fq = q.reshape(N, Hkv, Hq // Hkv * Q, D)
-    if torch.compiler.is_compiling():
-        scores = (fq @ k.transpose(-1, -2)) * (D**-0.5 if scale is None else scale)
-        weights = scores.masked_fill(~mask, float("-inf")).softmax(-1, dtype=torch.float32)
-        y = weights.to(v.dtype) @ v
-    else:
-        y = F.scaled_dot_product_attention(fq, k, v, attn_mask=mask, scale=scale)
-    return y.reshape(N, Hq, Q, D)  # (N, Hkv, g*Q, D) -> heads; kernels may return it transposed
-
-
-Fused = tuple[Tensor, Tensor | None, Tensor, Tensor | None]  # q/k/v, gate/up: weight, bias
-
-
-def fuse_layer(layer: nn.Module) -> Fused:
-    """A decoder layer's q/k/v_proj as one linear and its gate/up_proj as another, as serving
-    engines run them: (qkv weight, bias, gate_up weight, bias). The modules' own weights (and
-    biases) become views of these, so no second copy of the model is kept; a later `.float()`
-    or `.to()` of the model gives it new tensors, so fuse again after one, and save the model
-    before (safetensors refuses tensors that share storage)."""
-    attn, mlp = layer.self_attn, layer.mlp
-    return (*_fuse([attn.q_proj, attn.k_proj, attn.v_proj]), *_fuse([mlp.gate_proj, mlp.up_proj]))
-
-
-def _fuse(linears: Sequence[nn.Linear]) -> tuple[Tensor, Tensor | None]:
-    biased = {lin.bias is not None for lin in linears}
-    if len(biased) > 1:
-        raise ValueError(f"cannot fuse linears where only some have a bias: {linears}")
-    weight = torch.cat([lin.weight.detach() for lin in linears])
-    bias = torch.cat([lin.bias.detach() for lin in linears]) if biased == {True} else None
-    start = 0
-    for lin in linears:
-        end = start + lin.out_features
-        lin.weight.data = weight[start:end]
-        if bias is not None:
-            lin.bias.data = bias[start:end]
-        start = end
-    return weight, bias
-
-
-def _qkv(attn: nn.Module, h: Tensor, fused: Fused) -> tuple[Tensor, Tensor, Tensor]:
-    """q (..., Hq, D), k and v (..., Hkv, D) of rows h (..., H) in one matmul."""
-    D = attn.head_dim
-    sizes = [attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features]
-    q, k, v = F.linear(h, fused[0], fused[1]).split(sizes, -1)
-    return q.unflatten(-1, (-1, D)), k.unflatten(-1, (-1, D)), v.unflatten(-1, (-1, D))
-
-
-def _mlp(mlp: nn.Module, x: Tensor, fused: Fused) -> Tensor:
-    """down(act(gate(x)) * up(x)) with gate and up in one matmul."""
-    gate, up = F.linear(x, fused[2], fused[3]).chunk(2, -1)
-    return mlp.down_proj(mlp.act_fn(gate) * up)
 
 
 def target_layer(
     layer: nn.Module, x: Tensor, k_cache: Tensor, v_cache: Tensor, cos: Tensor, sin: Tensor,
     slots: Tensor, mask: Tensor, fused: Fused,
 ) -> Tensor:  # fmt: skip
-    """One HF Llama-family decoder layer over Q rows x (Q, H) at RoPE rows cos/sin (Q, D): its
-    new K/V written into `slots` of the static buffers (1, Hkv, L, D), attention over them under
-    the folded mask (`fold_mask`); q/k/v and gate/up as one matmul each (`fuse_layer`)."""
+    """One HF decoder layer over Q rows x (Q, H) at RoPE rows cos/sin (Q, D): its new K/V
+    written into `slots` of the static buffers (1, Hkv, L, D), attention over them under the
+    folded mask (`fold_mask`; the layer's window is in it); q/k/v and gate/up as one matmul
+    each (`fuse_layer`)."""
     q, k, v = layer_qkv(layer, x, fused)  # (Q, Hq, D), (Q, Hkv, D)
-    q = apply_rope(q.transpose(0, 1)[None], cos, sin)  # (1, Hq, Q, D)
-    k_cache.index_copy_(2, slots, apply_rope(k.transpose(0, 1)[None], cos, sin))
+    q = rotate(q.transpose(0, 1)[None], cos, sin)  # (1, Hq, Q, D)
+    k_cache.index_copy_(2, slots, rotate(k.transpose(0, 1)[None], cos, sin))
     v_cache.index_copy_(2, slots, v.transpose(0, 1)[None])
-    y = attend_cache(q, k_cache, v_cache, mask, layer.self_attn.scaling)  # (1, Hq, Q, D)
+    y = layer_attention(layer, q, k_cache, v_cache, mask)  # (1, Hq, Q, D)
     return layer_out(layer, x, y[0].transpose(0, 1).flatten(1), fused)
-
-
-def layer_qkv(layer: nn.Module, x: Tensor, fused: Fused) -> tuple[Tensor, Tensor, Tensor]:
-    """A target decoder layer's attention inputs before RoPE: q (..., Hq, D), k and v
-    (..., Hkv, D) of rows x (..., H) (input norm, fused q/k/v, Qwen3's per-head q/k norms).
-    Shared by `target_layer` and batched decoding (decoding/batched.py)."""
-    attn = layer.self_attn
-    q, k, v = _qkv(attn, layer.input_layernorm(x), fused)
-    if hasattr(attn, "q_norm"):  # Qwen3: per-head RMSNorm before RoPE
-        q, k = attn.q_norm(q), attn.k_norm(k)
-    return q, k, v
-
-
-def layer_out(layer: nn.Module, x: Tensor, y: Tensor, fused: Fused) -> Tensor:
-    """The rest of a target decoder layer: rows x (..., H) plus the output projection of their
-    attention y (..., Hq*D), then the residual MLP (fused gate/up)."""
-    x = x + layer.self_attn.o_proj(y)
-    return x + _mlp(layer.mlp, layer.post_attention_layernorm(x), fused)
 
 
 def drafter_layer(
@@ -164,16 +86,15 @@ def drafter_layer(
     attention over context + block (the mask of its sliding window, folded); q/k/v and gate/up
     as one matmul each (`fuse_layer`)."""
     attn = layer.self_attn
-    h = layer.input_layernorm(x)
-    B = h.shape[0]
-    q, k, v = _qkv(attn, h, fused)
+    B = x.shape[0]
+    q, k, v = project_qkv(layer.input_layernorm(x), fused, attn.num_kv_heads, attn.head_dim)
     q, k = attn.q_norm(q), attn.k_norm(k)  # (B, Hq, D), (B, Hkv, D)
     q = apply_rope(q.transpose(0, 1)[None], cos, sin)  # (1, Hq, B, D)
     k_cache.index_copy_(2, slots, apply_rope(k.transpose(0, 1)[None], cos, sin))
     v_cache.index_copy_(2, slots, v.transpose(0, 1)[None])
     y = attend_cache(q, k_cache, v_cache, mask, None)  # (1, Hq, B, D)
     x = x + attn.o_proj(y[0].transpose(0, 1).reshape(B, -1))
-    return x + _mlp(layer.mlp, layer.post_attention_layernorm(x), fused)
+    return x + fused_mlp(layer.mlp, layer.post_attention_layernorm(x), fused)
 
 
 def context_rows(
@@ -206,21 +127,30 @@ def step_mask(cols: Tensor, slots: Tensor, cache_len: Tensor, visible: Tensor | 
 
 
 def target_inputs(
-    embed: nn.Module, cos: Tensor, sin: Tensor, cols: Tensor, ids: Tensor, positions: Tensor,
-    slots: Tensor, cache_len: Tensor, visible: Tensor | None, groups: int,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:  # fmt: skip
-    """A target step's inputs to its layers: embeddings (Q, H), RoPE rows (Q, D) of the
-    positions from the tables cos/sin (L, D), and the folded mask every layer shares."""
-    mask = fold_mask(step_mask(cols, slots, cache_len, visible), groups)
-    return embed(ids), cos[positions], sin[positions], mask
+    embed: nn.Module, tables: list[tuple[Tensor, Tensor]], cols: Tensor, ids: Tensor,
+    positions: Tensor, slots: Tensor, cache_len: Tensor, visible: Tensor | None,
+    windows: list[int | None], groups: int,
+) -> tuple[Tensor, list[tuple[Tensor, Tensor]], list[Tensor]]:  # fmt: skip
+    """A target step's inputs to its layers: embeddings (Q, H) (the model's embedding module:
+    Gemma's scales them), per RoPE table (L, D) the rows (Q, D) of the positions, and per entry
+    of `windows` the folded mask the layers of that window share. A windowed mask measures
+    positions, not slots: a slot's position is its own among the new slots (tree siblings
+    share one), its index in the committed prefix."""
+    full = step_mask(cols, slots, cache_len, visible)  # (Q, L)
+    k_pos = cols.index_copy(0, slots, positions)  # (L,): each slot's position
+    masks = [fold_mask(windowed(full, positions, k_pos, w), groups) for w in windows]
+    return embed(ids), [(cos[positions], sin[positions]) for cos, sin in tables], masks
 
 
 def target_outputs(
-    norm: nn.Module, lm_head: nn.Module, x: Tensor, tapped: list[Tensor]
+    norm: nn.Module, lm_head: nn.Module, x: Tensor, tapped: list[Tensor], softcap: float | None
 ) -> tuple[Tensor, Tensor | None]:
-    """Logits (Q, V) of the last layer's rows x (Q, H), and the tapped layers' rows side by side
-    (Q, n_taps*H), or None without taps."""
-    return lm_head(norm(x)), torch.cat(tapped, -1) if tapped else None
+    """Logits (Q, V) of the last layer's rows x (Q, H) (soft-capped where the family does it),
+    and the tapped layers' rows side by side (Q, n_taps*H), or None without taps."""
+    logits = lm_head(norm(x))
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    return logits, torch.cat(tapped, -1) if tapped else None
 
 
 def drafter_inputs(
@@ -291,38 +221,9 @@ def _aligned(n: int) -> int:
     return -(-n // CAPACITY_ALIGN) * CAPACITY_ALIGN
 
 
-def check_target(model: nn.Module) -> None:
-    """Refuse (ValueError naming the model type) what StaticTarget does not reproduce."""
-    check_target_config(model.config, type(model).__name__)
-
-
-def check_target_config(config, name: str = "target") -> None:
-    """`check_target` from the model's transformers config alone (before its weights load)."""
-    tc = config.get_text_config()
-    kind = getattr(tc, "model_type", name)
-    if kind not in SUPPORTED_TARGETS:
-        raise ValueError(
-            f"StaticTarget supports model types {SUPPORTED_TARGETS}, not {kind!r}; "
-            "decode it with the eager loop (evaluate) or generate() (regenerate)"
-        )
-    layer_types = set(getattr(tc, "layer_types", None) or ["full_attention"])
-    if layer_types != {"full_attention"} or getattr(tc, "sliding_window", None) is not None:
-        raise ValueError(
-            f"{kind} target has sliding-window layers (layer_types {sorted(layer_types)}, "
-            f"sliding_window {getattr(tc, 'sliding_window', None)}); StaticTarget supports full "
-            "attention only"
-        )
-    rope_type = target_rope_parameters(tc).get("rope_type", "default")
-    if rope_type in RUNTIME_ROPE:
-        raise ValueError(
-            f"{kind} target uses rope_type {rope_type!r}, whose frequencies depend on the "
-            "sequence length at run time; StaticTarget supports static RoPE types only"
-        )
-
-
 class StaticTarget:
-    """An HF Llama-family causal LM (its own modules and weights) over a static KV cache of
-    max_len slots per layer. Slots and positions are separate, so a tree's nodes can share a
+    """An HF causal LM of a supported family (its own modules and weights) over a static KV cache
+    of max_len slots per layer. Slots and positions are separate, so a tree's nodes can share a
     position while occupying their own slots."""
 
     def __init__(
@@ -339,24 +240,21 @@ class StaticTarget:
             raise ValueError(
                 f"tapped layers {bad} are not layers of the {len(self.base.layers)}-layer target"
             )
-        attn = self.base.layers[0].self_attn
-        weight = attn.k_proj.weight
+        weight = self.base.embed_tokens.weight
         self.device, self.dtype = weight.device, weight.dtype
         self.max_len, self.capacity = max_len, _aligned(max_len)
-        self.head_dim = attn.head_dim
-        self.num_kv_heads = attn.k_proj.out_features // self.head_dim
-        self.groups = attn.q_proj.out_features // attn.k_proj.out_features
+        heads, self.num_kv_heads, self.head_dim = head_shape(model.config)
+        self.groups = heads // self.num_kv_heads
         shape = (1, self.num_kv_heads, self.capacity, self.head_dim)
         # one buffer: a tree's commit moves the accepted slots of all layers in two kernels
         self.kv, self.k, self.v = kv_buffer(len(self.base.layers), shape, weight)
         self.fused = [fuse_layer(layer) for layer in self.base.layers]
         self.cols = torch.arange(self.capacity, device=self.device)  # (L,)
-        with torch.no_grad():
-            # The model's own rotary embedding over every slot once: per position the same
-            # elementwise float32 math as its per-call forward, cast to the hidden dtype.
-            probe = torch.zeros(1, dtype=self.dtype, device=self.device)
-            cos, sin = self.base.rotary_emb(probe, self.cols[None])  # (1, L, D)
-        self.cos, self.sin = cos[0], sin[0]  # (L, D)
+        self.tables, self.rope_of = rope_tables(self.base, self.cols, self.dtype)  # per layer
+        per_layer = layer_windows(model.config)
+        self.windows = list(dict.fromkeys(per_layer))  # one mask per distinct window
+        self.mask_of = [self.windows.index(w) for w in per_layer]
+        self.softcap = final_softcap(model.config)
 
     @torch.no_grad()
     def forward(
@@ -379,17 +277,19 @@ class StaticTarget:
             if eager
             else (self.inputs, self.layer, self.outputs)
         )
-        x, cos, sin, mask = inputs(self.base.embed_tokens, self.cos, self.sin, self.cols, ids,
-                                   positions, slots, cache_len, visible, self.groups)  # fmt: skip
+        x, ropes, masks = inputs(self.base.embed_tokens, self.tables, self.cols, ids, positions,
+                                 slots, cache_len, visible, self.windows, self.groups)  # fmt: skip
         tapped = {}
         for i, layer in enumerate(self.base.layers):
+            cos, sin = ropes[self.rope_of[i]]
+            mask = masks[self.mask_of[i]]
             x = run(layer, x, self.k[i], self.v[i], cos, sin, slots, mask, self.fused[i])
             if i in self.layer_ids:
                 tapped[i] = x
         if last_only:
             x = x[-1:]
         taps_in_order = [tapped[i] for i in self.layer_ids] if taps else []
-        return outputs(self.base.norm, self.model.lm_head, x, taps_in_order)
+        return outputs(self.base.norm, self.model.lm_head, x, taps_in_order, self.softcap)
 
     @torch.no_grad()
     def commit(self, src_slots: Tensor, dst_start: Tensor | int) -> None:
