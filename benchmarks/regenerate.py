@@ -279,6 +279,32 @@ def profile(model, ps, batch: int, new_tokens: int, width: int) -> None:
         print(events.table(sort_by=key, row_limit=15, max_name_column_width=60), flush=True)
 
 
+def profile_engine(model, ps, rows: int, steps: int) -> None:
+    """Where the batched engine's decode step goes (the recipe's rows and slots, after a warm-up
+    that compiles and captures): the kernels with the most GPU time over `steps` idle steps,
+    each replayed without graphs too, so the ops keep their names."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    engine = BatchedEngine(model, rows, 512 + 256)
+    list(engine.generate([Request(str(i), p, None, 2) for i, p in enumerate(ps[:rows])], 2, set()))
+    cuda = engine.device.type == "cuda"
+    for graphs in (True, False) if cuda else (False,):
+        engine.graphs = graphs
+        engine.idle_steps(3)
+        with torch_profile(
+            activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]
+        ) as prof:
+            wall = timed(lambda: engine.idle_steps(steps), engine.device)
+        events = prof.key_averages()
+        gpu_us = sum(e.self_device_time_total if cuda else e.self_cpu_time_total for e in events)
+        print(f"\n== engine step, graphs {graphs}: {1e3 * wall / steps:.2f} ms wall, GPU busy "
+              f"{gpu_us / 1e3 / steps:.2f} ms per step", flush=True)  # fmt: skip
+        key = "self_device_time_total" if cuda else "self_cpu_time_total"
+        print(events.table(sort_by=key, row_limit=12,
+                           max_name_column_width=70), flush=True)  # fmt: skip
+
+
 def same_answers(device, ps, attns: list[str], new_tokens: int, width: int) -> None:
     """Whether attention implementations give generate() the same float32 greedy answers: one
     static-cache batch of these prompts each; prints how many rows match the first's."""
@@ -309,16 +335,21 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
     ap.add_argument("--profile", type=int, default=0, metavar="BATCH",
                     help="instead: profile one generate() batch of BATCH recipe rows")  # fmt: skip
+    ap.add_argument("--profile-engine", type=int, default=0, metavar="ROWS",
+                    help="instead: profile the batched engine's decode step at ROWS rows")  # fmt: skip
     ap.add_argument("--same-answers", type=int, default=0, metavar="ROWS",
                     help="instead: compare --attns' float32 greedy answers on ROWS prompts")  # fmt: skip
     ap.add_argument("--attns", nargs="+", default=["sdpa", "hf_sdpa"])
     ap.add_argument("--new-tokens", type=int, default=64, help="--profile / --same-answers")
     args = ap.parse_args(argv)
     device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
-    if args.profile or args.same_answers:
+    if args.profile or args.same_answers or args.profile_engine:
         lengths = str(HERE / "smollm2-sharegpt-prompt-lengths.json")
-        ps = prompts(max(args.profile, args.same_answers), 49152, 0, lengths, cap=512)
-        if args.same_answers:
+        n = max(args.profile, args.same_answers, args.profile_engine)
+        ps = prompts(n, 49152, 0, lengths, cap=512)
+        if args.profile_engine:
+            profile_engine(build_model("recipe", device), ps, n, 10)
+        elif args.same_answers:
             same_answers(device, ps, args.attns, args.new_tokens, 512)
         else:
             profile(build_model("recipe", device), ps, args.profile, args.new_tokens, 512)
