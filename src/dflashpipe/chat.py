@@ -228,11 +228,12 @@ def _plain_text(tok: Any, messages: list[dict]) -> str:
     """A plain-text prompt: the text of its one user message (no template to render more)."""
     if len(messages) != 1 or messages[0]["role"] != "user":
         roles = [m["role"] for m in messages]
+        turns = ", or prompts.max_turns: 1 to keep single-turn prompts"
         raise DataError(
             f"tokenizer {_name(tok)!r} has no chat template, so a prompt is plain text: one user "
             f"message, not {len(messages)} messages {roles}; set target.chat_template to a "
-            "template (Jinja text or a file) to render conversations, or prompts.max_turns: 1 "
-            "to keep single-turn prompts"
+            "template (Jinja text or a file) to render them"
+            f"{turns if roles.count('user') > 1 else ''}"
         )
     return messages[0]["content"]
 

