@@ -175,11 +175,6 @@ def load_target(cfg: TargetConfig, device: torch.device, base_only: bool = False
     except (OSError, ValueError, ImportError) as e:
         raise DataError(f"cannot load target {cfg.model!r}: {e}") from None
     model.to(device).eval().requires_grad_(False)
-    if device.type == "cpu":
-        # Gemma 3's activations are full of float32 subnormals, on which x86 is about 20x slower
-        # (a decode step of the 270M target: 1.16 s, 0.066 s flushed). They are below 1.2e-38,
-        # far below anything an argmax or a stored hidden state can tell apart from zero.
-        torch.set_flush_denormal(True)
     log.info("target %s loaded on %s in %.1f s (attention %s, %s prompts)", name, device,
              time.perf_counter() - start, attn, prompt_format(tok))  # fmt: skip
     return model, tok
