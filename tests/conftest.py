@@ -382,7 +382,7 @@ LONGEST_FIRST = {  # seconds on the 2-core machine with two workers (tests/READM
     "test_quality_driver_main_and_variants": 243,
     "test_every_stage_is_a_slurm_job_and_a_cancelled_one_is_retried": 203,
     "test_workflow_outputs": 191,
-    "test_gemma3_base_model_end_to_end": 200,  # its GGUF's conversion (65-70 s) included
+    "test_gemma3_base_model_end_to_end": 180,  # its GGUF's conversion (65-70 s) included
     "test_killed_snakemake_resumes": 166,
     "test_fsdp_matches_ddp_and_resumes_after_a_kill": 89,
     "test_train_survives_kills": 76,
