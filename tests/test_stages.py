@@ -23,6 +23,7 @@ OTHER = {
     "target.tokenizer": "another/tokenizer",
     "target.revision": "main",
     "target.attn_implementation": "eager",
+    "target.chat_template": "none",
     "retrieve": {},
     "prompts.sources": [{"name": "x", "kind": "jsonl", "path": "x.jsonl"}],
     "prompts.exclude": ["other/train.parquet"],

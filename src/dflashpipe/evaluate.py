@@ -1,6 +1,7 @@
 """Stage 6, evaluate: greedy speculative decoding with an exported drafter on held-out prompts.
 
-    eval.parquet ─► num_prompts (round robin over sources) ─► chat template ─► fit to context
+    eval.parquet ─► num_prompts (round robin over sources) ─► chat template (a base model:
+      plain text, chat.py) ─► fit to context
       ─► per prompt (`workers` processes side by side, each a slice of the prompts), one
          engine per process (decoding/runner.py: the static engine, or the eager loop), run
          dtype:
@@ -12,7 +13,8 @@
       ─► prompt lookup's grid (decoding/lookup.py GRID) replayed on the target-only outputs:
          every configuration's tau per source, the best per source is the baseline
       ─► metrics.json: DFlash's figures at the top level (as before), every method's tau,
-         speed and speedup in `methods`, DDTree's per budget in `ddtree`, the engine in `engine`
+         speed and speedup in `methods`, DDTree's per budget in `ddtree`, the engine in `engine`,
+         the target's resolved attention and prompt format (`attn_implementation`, `prompt_format`)
 
 tau (acceptance length) = accepted drafts + 1 per verify step, averaged per response, then over
 responses (responses without a verify step, e.g. EOS first, have no tau). Speeds are decode
@@ -37,7 +39,7 @@ import pyarrow.parquet as pq
 import torch
 import transformers
 
-from dflashpipe.chat import encode_prompt, end_of_turn_ids
+from dflashpipe.chat import encode_prompt, end_of_turn_ids, prompt_format
 from dflashpipe.config import EvaluateConfig, TargetConfig
 from dflashpipe.decoding.lookup import GRID, LookupConfig, sweep
 from dflashpipe.decoding.runner import Decoders
@@ -308,6 +310,8 @@ def run(
     device: torch.device | str | None = None,
 ) -> dict:
     """Evaluate the drafter export in drafter_dir against the target; write and return metrics."""
+    from dflashpipe.target import attention_choice
+
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     rows = read_eval_prompts(prompts_path, ev.num_prompts)
     model, tok, drafter = load_models(target_cfg, drafter_dir, device)
@@ -345,6 +349,10 @@ def run(
     )
     metrics |= {"num_prompts": len(prompts), "skipped": dict(skipped), "settings": asdict(ev)}
     metrics |= run_info(target_cfg, drafter_dir, cfg, device, run_dtype)
+    metrics |= {
+        "attn_implementation": attention_choice(target_cfg),
+        "prompt_format": prompt_format(tok),
+    }
     if not ev.lossless_check:
         log.warning("evaluate.lossless_check is off: the outputs were not checked in float32")
     elif metrics["lossless_fraction"] < 1.0:

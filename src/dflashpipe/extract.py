@@ -35,6 +35,7 @@ from dflashpipe import faults
 from dflashpipe.codecs import pack, pack_topk, prepare
 from dflashpipe.config import Config
 from dflashpipe.errors import DataError
+from dflashpipe.loss import logit_rows
 from dflashpipe.shards import ShardInfo, feature_row, feature_schema, record_batch
 from dflashpipe.storage import ChunkedFile, atomic_path
 from dflashpipe.taps import LayerTaps
@@ -82,15 +83,17 @@ def forward_soft_targets(
     """forward_taps plus the soft targets: (B, T, n_layers*H) bf16 taps, and per position t the
     target's k most likely next tokens (B, T, k) int32 with their log-probabilities (B, T, k)
     float16, i.e. its distribution over x_{t+1}. Runs every layer, the final norm (in the base
-    model's output) and the LM head; the head goes over `chunk_tokens` positions at a time, so
-    only (chunk, V) float32 logits exist, not (B, T, V)."""
+    model's output) and the LM head; the head goes over at most `chunk_tokens` positions at a
+    time (fewer for a large vocabulary: loss.logit_rows), so only (chunk, V) float32 logits
+    exist, not (B, T, V)."""
     last = base(input_ids=ids, use_cache=False).last_hidden_state  # (B, T, H), normed
     hidden = taps.gather().to(torch.bfloat16)
     cap = getattr(base.config, "final_logit_softcapping", None)  # Gemma-2 style targets
     flat = last.flatten(0, 1)  # (B*T, H)
+    chunk = logit_rows(head.weight.shape[0], chunk_tokens)
     top_ids, top_logprobs = [], []
-    for s in range(0, flat.shape[0], chunk_tokens):
-        logits = head(flat[s : s + chunk_tokens]).float()  # (c, V)
+    for s in range(0, flat.shape[0], chunk):
+        logits = head(flat[s : s + chunk]).float()  # (c, V)
         if cap:
             logits = torch.tanh(logits / cap) * cap
         top = logits.topk(k, dim=-1)  # sorted, most likely first

@@ -32,6 +32,15 @@ from torch import Tensor
 # gamma by block size, as published (B=16: 7, B=10: 5, B=8: 4).
 KNOWN_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
 _CHUNK_KERNELS: dict[tuple[bool, bool], Callable] = {}
+# Elements of one chunk's (rows, V) float32 logits (640 MiB): Qwen3's 151,936-token vocabulary
+# keeps its 1,024-row chunks (those of the MFU calibration), Gemma 3's 262,144 gets 640 rows.
+LOGITS_BUDGET = 160 * 2**20
+
+
+def logit_rows(vocab: int, most: int) -> int:
+    """Rows of (rows, vocab) float32 logits one chunk may hold: at most `most`, within
+    LOGITS_BUDGET (the LM head of train's loss and of extract's soft targets)."""
+    return max(1, min(most, LOGITS_BUDGET // vocab))
 
 
 def default_gamma(block_size: int) -> float:
@@ -169,7 +178,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         # Equal chunks: one compiled shape for every chunk. Rows come in a fixed count per step,
         # so fewer rows than a chunk make one chunk of their own size, not one padded to
         # chunk_rows (112 rows padded to 1,024 made a CPU step 9x the work).
-        chunk_rows = max(1, min(chunk_rows, N))
+        chunk_rows = max(1, min(logit_rows(weight.shape[0], chunk_rows), N))
         pad = -N % chunk_rows
         rows_p = F.pad(rows, (0, 0, 0, pad))
         labels_p = F.pad(labels, (0, pad))

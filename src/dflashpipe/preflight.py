@@ -3,17 +3,22 @@
 (regenerate, extract), for a target that was not on disk yet when the workflow started.
 
     config ─► config-only checks (drafter.sliding_window against train.max_length and the
-              drafter's layers)
-    target ─► its shape (decoder layers, vocabulary), read cheaply where it is local:
-              a HF directory's config.json, a GGUF file's metadata header (the tensors are
-              not read), a hub id's files in the local HF cache; None otherwise
+              drafter's layers; target.chat_template a template, a file, auto or none)
+    target ─► its shape (decoder layers, vocabulary, family, whether it has a chat template),
+              read cheaply where it is local: a HF directory's config.json and tokenizer
+              files, a GGUF file's metadata header (the tensors are not read), a hub id's files
+              in the local HF cache; None otherwise
            ─► taps inside the target and not on its last layer (layout.check_taps),
               extract.topk and drafter.mask_token_id inside its vocabulary
+           ─► its family runnable (families.check_runnable) and target.attn_implementation one
+              the family has (families.resolve_attention)
+           ─► plain-text prompts (no chat template) with conversation sources only under
+              prompts.max_turns: 1
 
-Reading the SmolLM2 GGUF's shape takes milliseconds; gguf's GGUFReader takes 3.3 s on it (it
-parses every field, the 49,152-token vocabulary and the merges included) and
-target.load_target_config 15-40 s on a machine's first run (it converts the whole GGUF), so
-neither suits a check that runs on every `snakemake` call.
+Reading the SmolLM2 GGUF's shape takes milliseconds (Gemma 3's, with its 262,144 tokens, 40 ms);
+gguf's GGUFReader takes 3.3 s on it (it parses every field, the 49,152-token vocabulary and the
+merges included) and target.load_target_config 15-40 s on a machine's first run (it converts the
+whole GGUF), so neither suits a check that runs on every `snakemake` call.
 """
 
 from __future__ import annotations
@@ -21,10 +26,12 @@ from __future__ import annotations
 import json
 import mmap
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from dflashpipe import families
+from dflashpipe.chat import template_text
 from dflashpipe.errors import ConfigError
 from dflashpipe.layout import check_taps, default_target_layer_ids
 
@@ -32,21 +39,31 @@ if TYPE_CHECKING:
     from dflashpipe.config import Config, TargetConfig
 
 LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers")  # HF config.json spellings
+TOKENIZER_FILES = ("tokenizer_config.json", "chat_template.jinja", "chat_template.json")
+# Sources whose prompts can carry history; humaneval and python give one user message each.
+CONVERSATION_KINDS = ("sharegpt", "jsonl", "parquet", "hf")
 
 
 @dataclass(frozen=True)
 class TargetShape:
-    """What the checks need of a target; `name` is the target as messages name it."""
+    """What the checks need of a target; `name` is the target as messages name it; `family`
+    its model type, `chat_template` whether its tokenizer has one and `layer_types` its
+    config's, each None where not known cheaply."""
 
     num_layers: int
     vocab_size: int
     name: str
+    family: str | None = None
+    chat_template: bool | None = None
+    layer_types: tuple[str, ...] | None = None
 
     @classmethod
     def of(cls, hf_config, name: str) -> TargetShape:
         """From a loaded transformers config (multimodal ones: their text model)."""
         text = hf_config.get_text_config()
-        return cls(text.num_hidden_layers, text.vocab_size, name)
+        kinds = getattr(text, "layer_types", None)
+        return cls(text.num_hidden_layers, text.vocab_size, name, hf_config.model_type, None,
+                   tuple(kinds) if kinds else None)  # fmt: skip
 
 
 def target_name(target: TargetConfig) -> str:
@@ -55,6 +72,8 @@ def target_name(target: TargetConfig) -> str:
 
 def check_config(cfg: Config) -> None:
     """Checks across sections that need no target."""
+    if cfg.target.chat_template not in (None, "auto", "none"):
+        template_text(cfg.target.chat_template)  # Jinja text or an existing file
     drafter, window = cfg.drafter, cfg.drafter.sliding_window
     if window is None:
         return
@@ -76,7 +95,12 @@ def check_config(cfg: Config) -> None:
 
 
 def check_fits_target(cfg: Config, shape: TargetShape) -> None:
-    """The config's taps, extract.topk and drafter.mask_token_id against the target's shape."""
+    """The target's family (runnable, with the configured attention), the config's taps,
+    extract.topk, drafter.mask_token_id and prompt format against the target's shape."""
+    if shape.family is not None:
+        family = families.family(shape.family)
+        families.check_runnable(family, shape.name, shape.layer_types)
+        families.resolve_attention(cfg.target.attn_implementation, family)
     drafter = cfg.drafter
     ids, key = drafter.target_layer_ids, "drafter.target_layer_ids"
     if ids is None:
@@ -95,6 +119,24 @@ def check_fits_target(cfg: Config, shape: TargetShape) -> None:
         raise ConfigError(
             f"drafter.mask_token_id {mask} is outside the vocabulary of target {shape.name} "
             f"({vocab} tokens); expected an id below {vocab}, or null to choose one"
+        )
+    check_prompt_format(cfg, shape)
+
+
+def check_prompt_format(cfg: Config, shape: TargetShape) -> None:
+    """A target read as plain text (no chat template: chat.py) takes one user message per
+    prompt: conversation sources are refused unless prompts.max_turns keeps single turns."""
+    choice = cfg.target.chat_template
+    plain = choice == "none" or (choice in (None, "auto") and shape.chat_template is False)
+    conversations = [s.name for s in cfg.prompts.sources if s.kind in CONVERSATION_KINDS]
+    if plain and conversations and cfg.prompts.max_turns != 1:
+        why = "target.chat_template is none" if choice == "none" else "its tokenizer has none"
+        raise ConfigError(
+            f"target {shape.name} reads prompts as plain text ({why}: a base model continues "
+            f"one user message's text), but prompts.sources {conversations} are conversations "
+            "whose prompts can carry several turns; set target.chat_template to a chat template "
+            "(Jinja text or a file) to render them, or prompts.max_turns: 1 to keep "
+            "single-turn prompts only"
         )
 
 
@@ -116,6 +158,11 @@ def check_before_loading(cfg: Config) -> None:
         from dflashpipe.target import load_target_config
 
         shape = TargetShape.of(load_target_config(cfg.target), target_name(cfg.target))
+    if shape.chat_template is None:
+        from dflashpipe.target import load_tokenizer
+
+        tok = load_tokenizer(replace(cfg.target, chat_template=None))  # its own template
+        shape = replace(shape, chat_template=tok.chat_template is not None)
     check_fits_target(cfg, shape)
 
 
@@ -126,10 +173,11 @@ def read_target_shape(target: TargetConfig) -> TargetShape | None:
     if path is None:
         return None
     try:
-        layers, vocab = _gguf_shape(path) if target.gguf_file else _hf_shape(path)
-    except (OSError, ValueError, KeyError, TypeError, struct.error):
+        if target.gguf_file:
+            return TargetShape(*_gguf_shape(path, target_name(target)))
+        return _hf_shape(path, target_name(target), target.tokenizer)
+    except (OSError, ValueError, KeyError, TypeError, StopIteration, struct.error):
         return None
-    return TargetShape(layers, vocab, target_name(target))
 
 
 def _local_file(target: TargetConfig) -> Path | None:
@@ -150,17 +198,31 @@ def _local_file(target: TargetConfig) -> Path | None:
     return Path(found) if isinstance(found, str) else None
 
 
-def _hf_shape(config_json: Path) -> tuple[int, int]:
+def _hf_shape(config_json: Path, name: str, tokenizer: str | None) -> TargetShape:
     top = json.loads(config_json.read_text(encoding="utf-8"))
     text = top.get("text_config") or {}
     layers = next(d[k] for d in (text, top) for k in LAYER_KEYS if d.get(k) is not None)
     vocab = next(d["vocab_size"] for d in (text, top) if d.get("vocab_size") is not None)
-    return int(layers), int(vocab)
+    kinds = text.get("layer_types") or top.get("layer_types")
+    # the tokenizer's files beside the config (a separate target.tokenizer: not known here)
+    template = None if tokenizer else _has_template(config_json.parent)
+    return TargetShape(int(layers), int(vocab), name, top.get("model_type"), template,
+                       tuple(kinds) if kinds else None)  # fmt: skip
 
 
-def _gguf_shape(path: Path) -> tuple[int, int]:
-    """(block_count, vocabulary) from a GGUF's metadata: the key/value section is walked only
-    until both are known; arrays not needed are skipped by their lengths, nothing is decoded."""
+def _has_template(root: Path) -> bool | None:
+    """Whether a local HF tokenizer has a chat template (None: no tokenizer files there)."""
+    if not (root / TOKENIZER_FILES[0]).is_file():
+        return None
+    if any((root / f).is_file() for f in TOKENIZER_FILES[1:]):
+        return True
+    return bool(json.loads((root / TOKENIZER_FILES[0]).read_text()).get("chat_template"))
+
+
+def _gguf_shape(path: Path, name: str) -> tuple[int, int, str, str, bool]:
+    """(block_count, vocabulary, name, family, has a chat template) from a GGUF's metadata: the
+    key/value section is walked; arrays are skipped by their lengths (strings one by one),
+    nothing but the few keys needed is decoded."""
     from gguf import GGUF_MAGIC, GGUFValueType
 
     scalar = {GGUFValueType.UINT8: "B", GGUFValueType.INT8: "b", GGUFValueType.UINT16: "H",
@@ -203,10 +265,12 @@ def _gguf_shape(path: Path) -> tuple[int, int]:
                 found["tokens"] = struct.unpack_from("<IQ", m, pos)[1]
                 pos = skip(pos, kind)
             else:
+                found[key] = True  # present (tokenizer.chat_template is all that is asked)
                 pos = skip(pos, kind)
-            arch = found.get("arch")
-            layers = found.get(f"{arch}.block_count")
-            vocab = found.get(f"{arch}.vocab_size") or found.get("tokens")
-            if layers and vocab:
-                return int(layers), int(vocab)
-    raise KeyError(f"{path}: no block_count or vocabulary size in the GGUF metadata")
+    arch = found.get("arch")
+    layers = found.get(f"{arch}.block_count")
+    vocab = found.get(f"{arch}.vocab_size") or found.get("tokens")
+    if not (arch and layers and vocab):
+        raise KeyError(f"{path}: no architecture, block_count or vocabulary in the GGUF metadata")
+    template = "tokenizer.chat_template" in found
+    return int(layers), int(vocab), name, families.gguf_family(arch), template

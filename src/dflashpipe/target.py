@@ -1,8 +1,9 @@
 """The one target loader for every stage (regenerate, extract, evaluate) and its identity.
 
 A target is an HF hub id, a local HF directory, or a GGUF file inside a directory
-(`gguf_file=`). The identity (name, weights hash, tokenizer hash, chat-template hash) goes into
-every output's metadata so a consumer can refuse data made by another target.
+(`gguf_file=`). The identity (name, weights hash, tokenizer hash, chat-template hash, and how it
+runs: the attention `target.attn_implementation` resolved to, chat or plain-text prompts) goes
+into every output's metadata so a consumer can refuse data made by another target.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from pathlib import Path
 import safetensors.torch
 import torch
 
-from dflashpipe import attention, storage
+from dflashpipe import attention, families, storage
+from dflashpipe.chat import apply_template_choice, prompt_format
 from dflashpipe.config import TargetConfig
 from dflashpipe.errors import DataError
 
@@ -34,6 +36,8 @@ class TargetIdentity:
     weights_sha256: str
     tokenizer_sha256: str
     chat_template_sha256: str
+    attn_implementation: str  # target.attn_implementation as resolved (auto: by the family)
+    prompt_format: str  # chat.CHAT or chat.PLAIN (no template: prompts are plain text)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True)
@@ -148,8 +152,7 @@ def load_tokenizer(cfg: TargetConfig, source: tuple[str, dict] | None = None):
         raise DataError(f"cannot load the tokenizer of target {name!r}: {e}") from None
     if not cfg.tokenizer and cfg.gguf_file and name != cfg.model:  # loaded from the conversion
         tok.name_or_path = str(Path(cfg.model) / cfg.gguf_file)  # messages name the user's file
-    if tok.chat_template is None:
-        raise DataError(f"the tokenizer of target {name!r} has no chat template")
+    apply_template_choice(tok, cfg.chat_template)  # none left: plain-text prompts (chat.py)
     return tok
 
 
@@ -161,26 +164,36 @@ def load_target(cfg: TargetConfig, device: torch.device, base_only: bool = False
     start = time.perf_counter()
     name, kwargs = _source(cfg)  # once: for a GGUF target it looks up (or makes) the conversion
     tok = load_tokenizer(cfg, (name, kwargs))
+    attn = attention_choice(cfg, (name, kwargs))
     try:
         model = (AutoModel if base_only else AutoModelForCausalLM).from_pretrained(
             name,
             dtype=torch_dtype(cfg, device),
-            attn_implementation=attention.implementation(cfg.attn_implementation),
+            attn_implementation=attention.implementation(attn),
             **kwargs,
         )
     except (OSError, ValueError, ImportError) as e:
         raise DataError(f"cannot load target {cfg.model!r}: {e}") from None
     model.to(device).eval().requires_grad_(False)
-    log.info("target %s loaded on %s in %.1f s", name, device, time.perf_counter() - start)
+    log.info("target %s loaded on %s in %.1f s (attention %s, %s prompts)", name, device,
+             time.perf_counter() - start, attn, prompt_format(tok))  # fmt: skip
     return model, tok
 
 
-def load_target_config(cfg: TargetConfig):
+def attention_choice(cfg: TargetConfig, source: tuple[str, dict] | None = None) -> str:
+    """target.attn_implementation for this target, as the config names it: auto -> sdpa where
+    its family has SDPA attention in transformers, else eager (families.resolve_attention);
+    an explicit choice the family refuses -> ConfigError. `source`: as in load_tokenizer."""
+    model_type = load_target_config(cfg, source).model_type
+    return families.resolve_attention(cfg.attn_implementation, families.family(model_type))
+
+
+def load_target_config(cfg: TargetConfig, source: tuple[str, dict] | None = None):
     """The target's transformers config alone (no weights): for checks before a stage takes a
-    device."""
+    device (`source`: as in load_tokenizer)."""
     from transformers import AutoConfig
 
-    name, kwargs = _source(cfg)
+    name, kwargs = source or _source(cfg)
     try:
         return AutoConfig.from_pretrained(name, **kwargs)
     except (OSError, ValueError) as e:
@@ -231,5 +244,6 @@ def target_identity(cfg: TargetConfig, tok) -> TargetIdentity:
         digest.update(f"{f.name}:{_file_sha256(f)}\n".encode())
     name = cfg.model + (f"/{cfg.gguf_file}" if cfg.gguf_file else "")
     return TargetIdentity(
-        name, digest.hexdigest(), tokenizer_sha256(tok), chat_template_sha256(tok)
-    )
+        name, digest.hexdigest(), tokenizer_sha256(tok), chat_template_sha256(tok),
+        attention_choice(cfg), prompt_format(tok),
+    )  # fmt: skip

@@ -68,7 +68,7 @@ def stage_digest(stage):
 def retrieve_digest(wildcards):
     """A retrieve job's param: its own entry, so an edit refetches that one file."""
     spec = next(s for s in CFG.retrieve.values() if s.dest == wildcards.dest)
-    return stages.hash_values(vars(spec))
+    return stages.hash_values(spec.digest_values())
 
 
 def prompt_source_files(wildcards):
