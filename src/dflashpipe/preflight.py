@@ -10,8 +10,8 @@
               in the local HF cache; None otherwise
            ─► taps inside the target and not on its last layer (layout.check_taps),
               extract.topk and drafter.mask_token_id inside its vocabulary
-           ─► its family runnable (families.check_runnable) and target.attn_implementation one
-              the family has (families.resolve_attention)
+           ─► its family runnable (transformers_support.check_runnable) and target.attn_implementation one
+              the family has (transformers_support.resolve_attention)
            ─► plain-text prompts (no chat template) with conversation sources only under
               prompts.max_turns: 1
 
@@ -30,7 +30,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from dflashpipe import families
+from dflashpipe import transformers_support
 from dflashpipe.chat import template_text
 from dflashpipe.errors import ConfigError
 from dflashpipe.layout import check_taps, default_target_layer_ids
@@ -98,9 +98,9 @@ def check_fits_target(cfg: Config, shape: TargetShape) -> None:
     """The target's family (runnable, with the configured attention), the config's taps,
     extract.topk, drafter.mask_token_id and prompt format against the target's shape."""
     if shape.family is not None:
-        family = families.family(shape.family)
-        families.check_runnable(family, shape.name, shape.layer_types)
-        families.resolve_attention(cfg.target.attn_implementation, family)
+        family = transformers_support.family(shape.family)
+        transformers_support.check_runnable(family, shape.name, shape.layer_types)
+        transformers_support.resolve_attention(cfg.target.attn_implementation, family)
     drafter = cfg.drafter
     ids, key = drafter.target_layer_ids, "drafter.target_layer_ids"
     if ids is None:
@@ -273,4 +273,4 @@ def _gguf_shape(path: Path, name: str) -> tuple[int, int, str, str, bool]:
     if not (arch and layers and vocab):
         raise KeyError(f"{path}: no architecture, block_count or vocabulary in the GGUF metadata")
     template = "tokenizer.chat_template" in found
-    return int(layers), int(vocab), name, families.gguf_family(arch), template
+    return int(layers), int(vocab), name, transformers_support.gguf_family(arch), template

@@ -20,7 +20,7 @@ from pathlib import Path
 import safetensors.torch
 import torch
 
-from dflashpipe import attention, families, storage
+from dflashpipe import attention, storage, transformers_support
 from dflashpipe.chat import apply_template_choice, prompt_format
 from dflashpipe.config import TargetConfig
 from dflashpipe.errors import DataError
@@ -182,10 +182,12 @@ def load_target(cfg: TargetConfig, device: torch.device, base_only: bool = False
 
 def attention_choice(cfg: TargetConfig, source: tuple[str, dict] | None = None) -> str:
     """target.attn_implementation for this target, as the config names it: auto -> sdpa where
-    its family has SDPA attention in transformers, else eager (families.resolve_attention);
+    its family has SDPA attention in transformers, else eager (transformers_support.resolve_attention);
     an explicit choice the family refuses -> ConfigError. `source`: as in load_tokenizer."""
     model_type = load_target_config(cfg, source).model_type
-    return families.resolve_attention(cfg.attn_implementation, families.family(model_type))
+    return transformers_support.resolve_attention(
+        cfg.attn_implementation, transformers_support.family(model_type)
+    )
 
 
 def load_target_config(cfg: TargetConfig, source: tuple[str, dict] | None = None):
