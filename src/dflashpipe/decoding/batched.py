@@ -80,28 +80,32 @@ def decode_inputs(
     length: Tensor, windows: list[int | None], groups: int, kv_shape: tuple[int, int],
 ) -> tuple[Tensor, list[tuple[Tensor, Tensor]], Tensor, list[Tensor]]:  # fmt: skip
     """A decode step's inputs to its layers: embeddings (R, H) of each row's input token at
-    position = slot = length (R,), per RoPE table (C, D) its rows (R, 1, 1, D), the scatter
-    index of its K/V (R, Hkv, 1, D), and per entry of `windows` the folded mask (R, 1, g, C) the
+    position = slot = length (R,), per RoPE table (C, D) its rows (R, 1, 1, D), where its K/V go
+    (rows 0..R-1, slots `length`), and per entry of `windows` the folded mask (R, 1, g, C) the
     layers of that window share: the row's committed slots and its new one (within the window)."""
     R = token.shape[0]
     full = (cols[None] <= length[:, None])[:, None]  # (R, 1, C): one query per row
     masks = [windowed(full, length[:, None], cols[None], w)[:, None].expand(R, 1, groups, -1)
              for w in windows]  # (R, 1, g, C) each  # fmt: skip
-    index = length.view(R, 1, 1, 1).expand(R, *kv_shape)  # (R, Hkv, 1, D)
+    index = (torch.arange(R, device=token.device), length)  # (R,), (R,)
     ropes = [(cos[length][:, None, None], sin[length][:, None, None]) for cos, sin in tables]
     return embed(token), ropes, index, masks
 
 
 def decode_layer(
     layer: nn.Module, x: Tensor, k_cache: Tensor, v_cache: Tensor, cos: Tensor, sin: Tensor,
-    index: Tensor, mask: Tensor, fused: tuple,
+    index: tuple[Tensor, Tensor], mask: Tensor, fused: tuple,
 ) -> Tensor:  # fmt: skip
     """One decoder layer over one new token per row, x (R, H): each row's K/V written at its own
-    slot (index) of its row of the buffers (R, Hkv, C, D), attention over that row only."""
+    slot (index: rows, slots) of its row of the buffers (R, Hkv, C, D), attention over that row
+    only. The write is an index_put_ of R x Hkv vectors, which the compiler keeps in place; a
+    scatter_ into the buffer view made it copy the whole buffer, twice per layer and step
+    (H200 profile: 70% of the step, benchmarks/RESULTS.md)."""
+    rows, slots = index
     q, k, v = layer_qkv(layer, x, fused)  # (R, Hq, D), (R, Hkv, D)
     q = rotate(q[:, :, None], cos, sin)  # (R, Hq, 1, D)
-    k_cache.scatter_(2, index, rotate(k[:, :, None], cos, sin))
-    v_cache.scatter_(2, index, v[:, :, None])
+    k_cache[rows, :, slots] = rotate(k[:, :, None], cos, sin)[:, :, 0]  # (R, Hkv, D)
+    v_cache[rows, :, slots] = v
     y = layer_attention(layer, q, k_cache, v_cache, mask)  # (R, Hq, 1, D)
     return layer_out(layer, x, y.flatten(1), fused)
 
