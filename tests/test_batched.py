@@ -125,12 +125,12 @@ def smollm2(smollm2_dir, smollm2_cache):
 
 
 def test_greedy_equals_generate_on_smollm2(smollm2):
-    """The real target (float32) answers 24 prompts of 39-89 tokens in 5 row slots."""
+    """The real target (float32) answers 12 prompts of 39-89 tokens in 4 row slots."""
     model, tok = smollm2
-    prompts, stops = chat_prompts(tok, 24), end_of_turn_ids(tok)
+    prompts, stops = chat_prompts(tok, 12), end_of_turn_ids(tok)
     expected = reference(model, tok, prompts, 12, stops)
-    assert sum(f == "stop" for _, f in expected) >= 12  # real answers end at different steps
-    engine = BatchedEngine(model, rows=5, capacity=max(map(len, prompts)) + 12)
+    assert sum(f == "stop" for _, f in expected) >= 4  # real answers end at different steps
+    engine = BatchedEngine(model, rows=4, capacity=max(map(len, prompts)) + 12)
     assert decode(engine, prompts, 12, stops) == expected
 
 
