@@ -77,8 +77,8 @@ class Answer:
 
 def decode_inputs(
     embed: nn.Module, tables: list[tuple[Tensor, Tensor]], cols: Tensor, token: Tensor,
-    length: Tensor, windows: list[int | None], groups: int, kv_shape: tuple[int, int],
-) -> tuple[Tensor, list[tuple[Tensor, Tensor]], Tensor, list[Tensor]]:  # fmt: skip
+    length: Tensor, windows: list[int | None], groups: int,
+) -> tuple[Tensor, list[tuple[Tensor, Tensor]], tuple[Tensor, Tensor], list[Tensor]]:  # fmt: skip
     """A decode step's inputs to its layers: embeddings (R, H) of each row's input token at
     position = slot = length (R,), per RoPE table (C, D) its rows (R, 1, 1, D), where its K/V go
     (rows 0..R-1, slots `length`), and per entry of `windows` the folded mask (R, 1, g, C) the
@@ -207,7 +207,6 @@ class BatchedEngine:
         self.compiled = self.graphs if compile is None else compile
         graph_safe_experts(model, self.graphs, self.compiled)  # a MoE target's, fixed-shape
         heads, kv_heads, head_dim = head_shape(model.config)
-        self.kv_shape = (kv_heads, 1, head_dim)
         self.groups = heads // kv_heads
         shape = (rows + 1, kv_heads, self.capacity, head_dim)  # row `rows`: scratch
         self.kv, self.k, self.v = kv_buffer(len(self.base.layers), shape, weight)
@@ -323,7 +322,7 @@ class BatchedEngine:
             def step() -> None:
                 x, ropes, index, masks = self.inputs(b.embed_tokens, self.tables, self.cols,
                                                      s["token"], s["length"], self.windows,
-                                                     self.groups, self.kv_shape)  # fmt: skip
+                                                     self.groups)  # fmt: skip
                 for i, layer in enumerate(b.layers):
                     cos, sin = ropes[self.rope_of[i]]
                     x = self.layer(layer, x, k[i], v[i], cos, sin, index, masks[self.mask_of[i]],
