@@ -25,6 +25,12 @@ the whole static cache the step attends over: rows x slots x layers x 2 x kv_hea
     python benchmarks/regenerate.py --out $OUT/regen.json                  # both shapes, both paths
     python benchmarks/regenerate.py --shapes qwen3-8b --paths engine       # one cell
     python benchmarks/regenerate.py --smoke                                # CPU, tiny shapes, < 1 min
+    python benchmarks/regenerate.py --shapes recipe --paths engine --refill-rows 16 64 256
+                                                                           # sweep the refill rule
+
+The engine's cells also give its refill figures: `active` (the share of row-steps that made a
+token: what gathered refills cost), `prefills` (pack forwards in the run) and `fill` (the packs'
+prompt tokens over their length). Every graph is captured before the timed run.
 
 Diagnostics of the generate() path (CUDA): `--profile BATCH` (where a batch's step time goes,
 torch.profiler) and `--same-answers ROWS` (float32 greedy answers of attention implementations).
@@ -161,16 +167,19 @@ def timed(fn, device: torch.device) -> float:
     return time.perf_counter() - start
 
 
-def bench_engine(model, shape: Shape, ps, lengths) -> dict:
-    """The engine over every request (after a warm-up call that captures and compiles), then its
-    step alone (idle rows). Recompiling during the timed run fails loudly."""
+def bench_engine(model, shape: Shape, ps, lengths, pack: int | None = None,
+                 refill: int | None = None) -> dict:  # fmt: skip
+    """The engine over every request (after a warm-up call that compiles, and every graph
+    captured: `prepare`), then its step alone (idle rows). `pack` / `refill`: the engine's
+    pack_tokens / refill_rows (None: its defaults). Recompiling during the timed run fails
+    loudly."""
     slots = max(map(len, ps)) + shape.max_new
-    engine = BatchedEngine(model, shape.rows, slots)
+    engine = BatchedEngine(model, shape.rows, slots, pack_tokens=pack, refill_rows=refill)
     requests = [
         Request(str(i), p, None, n) for i, (p, n) in enumerate(zip(ps, lengths, strict=True))
     ]
     short = [Request(r.name, r.prompt, None, 2) for r in requests[: 2 * shape.rows]]
-    warm = timed(lambda: list(engine.generate(short, 2, set())), engine.device)
+    warm = timed(lambda: (engine.prepare(), list(engine.generate(short, 2, set()))), engine.device)
     before = dict(engine.stats)
     torch._dynamo.config.error_on_recompile = True
     try:
@@ -180,11 +189,14 @@ def bench_engine(model, shape: Shape, ps, lengths) -> dict:
     finally:
         torch._dynamo.config.error_on_recompile = False
     bound = step_bytes(model, shape.rows, engine.capacity) / HBM_BYTES_PER_S
+    ran = {k: engine.stats[k] - before.get(k, 0) for k in engine.stats}
     row = {"path": "engine", "tok_s": sum(lengths) / wall, "bound_tok_s": shape.rows / bound,
            "step_ms": 1e3 * wall / steps, "step_alone_ms": 1e3 * step, "bound_ms": 1e3 * bound,
            "warmup_s": warm, "steps": steps, "slots": engine.capacity,
-           "prefills": engine.stats["prefills"] - before["prefills"],
-           "captures_in_run": engine.stats["captures"] - before.get("captures", 0)}  # fmt: skip
+           "pack_tokens": engine.pack, "refill_rows": engine.refill_rows,
+           "active_share": sum(lengths) / (steps * shape.rows),  # rows that made a token
+           "prefills": ran["prefills"], "pack_fill": ran["prompt_tokens"] / ran["prefill_tokens"],
+           "captures_in_run": ran.get("captures", 0)}  # fmt: skip
     return row
 
 
@@ -226,9 +238,12 @@ def compare(args, device: torch.device) -> list[dict]:
         cap = shape.width if shape.prompt is None else None
         ps = prompts(shape.requests, model.config.vocab_size, 0, lengths_file, shape.prompt, cap)
         lengths = answer_lengths(len(ps), shape.max_new, shape.real_stops, 1, args.answer_lengths)
-        for path in args.paths:
+        cells = [("generate", None, None) if path == "generate" else ("engine", pack, refill)
+                 for path in args.paths for pack in args.pack_tokens
+                 for refill in args.refill_rows]  # fmt: skip
+        for path, pack, refill in dict.fromkeys(cells):
             if path == "engine":
-                row = bench_engine(model, shape, ps, lengths)
+                row = bench_engine(model, shape, ps, lengths, pack, refill)
             else:
                 row = bench_generate(model, shape, ps, lengths, args.generate_batches)
             row.update(shape=name, rows=shape.rows, tokens_per_answer=sum(lengths) / len(ps),
@@ -244,14 +259,24 @@ def compare(args, device: torch.device) -> list[dict]:
 
 
 def report(rows: list[dict]) -> None:
-    print(f"\n{'shape':<10}{'path':<12}{'rows':>6}{'tok/s':>10}{'bound':>10}{'share':>7}"
-          f"{'ms/step':>9}{'alone':>8}{'bound':>8}{'share':>7}")  # fmt: skip
+    print(f"\n{'shape':<10}{'path':<12}{'rows':>6}{'pack':>6}{'refill':>7}{'tok/s':>10}"
+          f"{'bound':>10}{'share':>7}{'ms/step':>9}{'alone':>8}{'bound':>8}{'share':>7}"
+          f"{'active':>7}{'prefills':>9}{'fill':>6}")  # fmt: skip
     for r in rows:
-        alone = f"{r['step_alone_ms']:8.2f}" if "step_alone_ms" in r else f"{'-':>8}"
-        print(f"{r['shape']:<10}{r['path']:<12}{r['rows']:>6}{r['tok_s']:>10.0f}"
-              f"{r['bound_tok_s']:>10.0f}{r['tok_s_bound_share']:>7.0%}{r['step_ms']:>9.2f}"
-              f"{alone}{r['bound_ms']:>8.3g}{r['step_bound_share']:>7.0%}")  # fmt: skip
-    by = {(r["shape"], r["path"]): r["tok_s"] for r in rows}
+        engine = r["path"] == "engine"
+
+        def cell(key: str, fmt: str, width: int, r=r, engine=engine) -> str:
+            return f"{r[key]:>{width}{fmt}}" if engine else f"{'-':>{width}}"
+
+        print(f"{r['shape']:<10}{r['path']:<12}{r['rows']:>6}{cell('pack_tokens', '', 6)}"
+              f"{cell('refill_rows', '', 7)}{r['tok_s']:>10.0f}{r['bound_tok_s']:>10.0f}"
+              f"{r['tok_s_bound_share']:>7.0%}{r['step_ms']:>9.2f}{cell('step_alone_ms', '.2f', 8)}"
+              f" {r['bound_ms']:>7.3g}{r['step_bound_share']:>7.0%}{cell('active_share', '.0%', 7)}"
+              f"{cell('prefills', '', 9)}{cell('pack_fill', '.0%', 6)}")  # fmt: skip
+    by = {}
+    for r in rows:  # the best engine cell of each shape
+        key = (r["shape"], r["path"])
+        by[key] = max(by.get(key, 0), r["tok_s"])
     for shape in dict.fromkeys(r["shape"] for r in rows):
         if (shape, "engine") in by and (shape, "generate()") in by:
             print(f"{shape}: engine {by[shape, 'engine'] / by[shape, 'generate()']:.2f}x "
@@ -331,6 +356,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--generate-batches", type=int, default=None,
                     help="time only the first N generate() batches (default: all)")  # fmt: skip
     ap.add_argument("--answer-lengths", default=None, help="JSON list of real answer lengths")
+    ap.add_argument("--pack-tokens", type=int, nargs="+", default=[None],
+                    help="the engine's prefill pack lengths to sweep (default: its own)")  # fmt: skip
+    ap.add_argument("--refill-rows", type=int, nargs="+", default=[None],
+                    help="the engine's refill gathering (free rows) to sweep (default: its own)")  # fmt: skip
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes (the suite runs it)")
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
     ap.add_argument("--profile", type=int, default=0, metavar="BATCH",

@@ -90,6 +90,31 @@ def test_greedy_equals_generate_on_the_tiny_target(varied):
     padded = sum(max(lengths[i : i + 5]) for i in range(0, 36, 5))
     assert engine.stats["steps"] <= (sum(lengths) + 36) / 5 + 12 + 1 < padded
     assert engine.stats["prefills"] < 36  # refills prefilled together
+    assert engine.stats["prompt_tokens"] == sum(len(p) - 1 for p in prompts)
+
+
+def test_gathered_refills_and_packs_change_no_answer(varied):
+    """Refills that wait for 4 of 6 free rows, in packs of 1-6 prompts or one prompt each: the
+    same answers as refilling at once; fewer prefills, each fuller, for a few more steps."""
+    model, tok = varied
+    prompts = chat_prompts(tok, 30)
+    capacity = max(map(len, prompts)) + 10
+    at_once = BatchedEngine(model, rows=6, capacity=capacity, refill_rows=1, pack_tokens=128)
+    first = decode(at_once, prompts, 10, end_of_turn_ids(tok))  # stops it emits: ragged ends
+    stops = end_of_turn_ids(tok) | {new[1 + i % 8] for i, (new, _) in enumerate(first[::4])}
+    at_once.stats.clear()
+    expected = decode(at_once, prompts, 10, stops)
+    assert len({len(new) for new, _ in expected}) >= 5
+    gathered = BatchedEngine(model, rows=6, capacity=capacity, refill_rows=4, pack_tokens=512)
+    assert gathered.packs == [128, 512]  # 512 over powers of 4, >= the capacity's 128
+    assert decode(gathered, prompts, 10, stops) == expected
+    a, g = at_once.stats, gathered.stats
+    assert a["prompt_tokens"] == g["prompt_tokens"] == sum(len(p) - 1 for p in prompts)
+    assert g["prefills"] <= a["prefills"] / 2
+    assert g["prompt_tokens"] / g["prefill_tokens"] > a["prompt_tokens"] / a["prefill_tokens"]
+    assert a["steps"] < g["steps"] <= a["steps"] * 1.5
+    with pytest.raises(ValueError, match=r"refill_rows is 7: expected 1\.\.6"):
+        BatchedEngine(model, rows=6, capacity=capacity, refill_rows=7)
 
 
 def test_sampled_answers_do_not_depend_on_rows_runs_or_resume(varied):

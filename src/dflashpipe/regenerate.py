@@ -2,7 +2,7 @@
 
     prompts/train.parquet ──(rows i::n)──► length-sorted plan ──► samples_per_prompt answers each
         static (regenerate.engine): the batched engine (decoding/batched.py), every answer in
-                one stream, a row slot refilled as soon as its answer ends
+                one stream, a row slot refilled once its answer ends (refills gathered into packs)
         hf:     generate() on left-padded batches, answer index s by s
         ──► part files every `save_every` answers ──► identical answers to one prompt dropped
         ──► sequences/shard-{i:05d}.parquet (the engine in its metadata)

@@ -14,7 +14,7 @@
     runner          Decoders: the methods evaluate compares, on the engine or the eager loop
     summary         metrics.json's figures from the responses (tau, speed, losslessness)
     batched         BatchedEngine: regenerate's continuous batching, R rows over a static cache,
-                    one captured decode step, finished rows refilled by length-bucketed prefills
+                    one captured decode step, finished rows refilled by gathered, packed prefills
     sampling        the batched engine's draws: per-answer seeded uniforms, temperature/top-k/p
     memory          what the batched engine's buffers take against the device's free memory
     hf_generate     transformers' generate() on padded batches: regenerate's fallback path

@@ -1,9 +1,11 @@
 """Batched, continuous generation over a static KV cache: regenerate's engine.
 
-    requests ─► queue ─► a free row slot ─► refill: the prompt but its last token prefilled
-                  ▲                          into the row's cache (refills of one length bucket
-                  │                          in one forward); the last token is the row's next
-                  │                          input, so every answer token comes from a step
+    requests ─► queue ─► free row slots, gathered ─► refill: the prompts but their last tokens
+                  ▲                                  packed into one sequence of a fixed length
+                  │                                  (one forward, one shape), each prompt's K/V
+                  │                                  written to its row's cache; the last token
+                  │                                  is the row's next input, so every answer
+                  │                                  token comes from a step
     decode step   all R rows, one fixed shape (a CUDA graph on CUDA; eager on the CPU):
                   token (R,) at position length (R,) -> logits (R, V) -> greedy or sampled
                   token; active rows: length += 1, produced += 1, done = a stop token or the
@@ -12,19 +14,25 @@
 
 Cache: one buffer (2 x layers, R + 1, n_kv, capacity, D); row r holds its sequence at slots =
 positions 0..length-1, so nothing depends on the slot a request lands in or on its neighbours
-(sampling too: sampling.py). Row R is scratch, written by the pad rows of prefill chunks (padded
-to a power-of-two row count: few shapes). The step attends over each row's whole buffer under a
-length mask (a windowed layer's also drops what lies past its window), so its shape never
-changes.
+(sampling too: sampling.py). Row R is scratch, written by a pack's padding. The step attends
+over each row's whole buffer under a length mask (a windowed layer's also drops what lies past
+its window), so its shape never changes.
+
+Refills are gathered: freed rows wait until the next prompts fill a pack (`default_pack`: where a
+pack's dense attention costs what its linear layers do), or `refill_rows` rows are free, or
+nothing else would run (no row busy, or the queue's last requests fit the free rows). A pack
+holds whole prompts under a block-causal mask (each attends to its own earlier tokens only), in
+one of a few lengths (the pack length over powers of 4), so a run captures at most a few prefill
+graphs and its prefill work is the prompts' tokens, not one padded forward per freed row.
 
 Pipelined by one step: the host reads step t-1 back while step t runs and refills the rows it
-finished after step t, so a finished row idles exactly one step and the device never waits on
-host work; that read-back is the step's only sync (refills add host-to-device copies only).
+finished after step t, so the device never waits on host work; that read-back is the step's
+only sync (refills add host-to-device copies only).
 """
 
 from __future__ import annotations
 
-from collections import Counter, defaultdict, deque
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -52,8 +60,9 @@ from dflashpipe.decoding.sampling import Sampling, draw
 from dflashpipe.decoding.static_models import CAPACITY_ALIGN, compiled, kv_buffer
 
 WARMUP_RUNS = 3  # eager runs on a side stream before a capture, as the CUDA-graph docs advise
-MIN_BUCKET = 16  # the shortest prefill length bucket
-PREFILL_TOKENS = 16384  # rows x bucket length of one prefill forward, at most
+MIN_PACK = 64  # the shortest prefill pack
+PACK_MASK_BYTES = 1 << 28  # a pack's folded bool mask (groups x T x T) at most
+REFILL_SHARE = 16  # by default refills wait for rows / REFILL_SHARE free rows at most
 MAX_STOPS = 32  # stop ids a call may give (a fixed-size buffer the step reads)
 
 
@@ -112,19 +121,20 @@ def decode_layer(
 
 def prefill_layer(
     layer: nn.Module, x: Tensor, k_cache: Tensor, v_cache: Tensor, cos: Tensor, sin: Tensor,
-    rows: Tensor, mask: Tensor, fused: tuple,
+    index: tuple[Tensor, Tensor], mask: Tensor, fused: tuple,
 ) -> Tensor:  # fmt: skip
-    """One decoder layer over whole prompts x (n, P, H) (right-padded) at positions 0..P-1:
-    their K/V written at slots 0..P-1 of cache rows `rows` (n,), causal attention among
-    themselves (a refilled row has no prefix)."""
-    P = x.shape[1]
-    q, k, v = layer_qkv(layer, x, fused)  # (n, P, Hq, D), (n, P, Hkv, D)
-    q = rotate(q.transpose(1, 2), cos, sin)  # (n, Hq, P, D)
-    k = rotate(k.transpose(1, 2), cos, sin)  # (n, Hkv, P, D)
-    v = v.transpose(1, 2)  # (n, Hkv, P, D)
-    k_cache[:, :, :P].index_copy_(0, rows, k)
-    v_cache[:, :, :P].index_copy_(0, rows, v)
-    y = layer_attention(layer, q, k, v, mask)  # (n, Hq, P, D)
+    """One decoder layer over a pack x (1, T, H) of whole prompts at RoPE rows cos/sin (T, D) of
+    their positions: token t's K/V written at (row, slot) = index[t] of the buffers (rows,
+    Hkv, C, D), attention among the pack's tokens under its folded block-causal mask (a refilled
+    row has no prefix)."""
+    rows, slots = index
+    q, k, v = layer_qkv(layer, x, fused)  # (1, T, Hq, D), (1, T, Hkv, D)
+    q = rotate(q.transpose(1, 2), cos, sin)  # (1, Hq, T, D)
+    k = rotate(k.transpose(1, 2), cos, sin)  # (1, Hkv, T, D)
+    v = v.transpose(1, 2)  # (1, Hkv, T, D)
+    k_cache[rows, :, slots] = k[0].transpose(0, 1)  # (T, Hkv, D)
+    v_cache[rows, :, slots] = v[0].transpose(0, 1)
+    y = layer_attention(layer, q, k, v, mask)  # (1, Hq, T, D)
     return layer_out(layer, x, y.transpose(1, 2).flatten(2), fused)
 
 
@@ -172,12 +182,52 @@ def capture(fn: Callable[[], None], device: torch.device, pool) -> torch.cuda.CU
     return graph
 
 
-def bucket(n: int, capacity: int) -> int:
-    """A prefill length for n tokens: the smallest power of two or 1.5 x a power of two >= n
-    (MIN_BUCKET at least), within capacity: few shapes, at most a third of a chunk padding
-    (powers of two alone pad a 767-token prompt to 1,024)."""
-    p = max(MIN_BUCKET, 1 << (n - 1).bit_length())  # (n,) <= p
-    return min(p * 3 // 4 if p > MIN_BUCKET and p * 3 // 4 >= n else p, capacity)
+def default_pack(model: nn.Module) -> int:
+    """The default prefill pack length: the largest power of two at which the pack's dense
+    attention (4 x T x Hq x D flops per token and layer) costs at most what its linear layers do
+    (2 x the decoder layers' weights per token), within PACK_MASK_BYTES of mask (the engine
+    raises it to its capacity: every prompt fits one pack). SmolLM2-135M: 2,048; Qwen3-8B:
+    8,192 (the mask's bound)."""
+    heads, kv_heads, head_dim = head_shape(model.config)
+    layers = model.get_decoder().layers
+    weights = sum(p.numel() for p in layers.parameters())
+    even = weights // (2 * heads * head_dim * len(layers))  # attention flops = linear flops
+    fits = int((PACK_MASK_BYTES / (heads // kv_heads)) ** 0.5)
+    return max(MIN_PACK, 1 << (min(even, fits).bit_length() - 1))
+
+
+def pack_lengths(tokens: int) -> list[int]:
+    """The pack lengths a run may use, shortest first: `tokens` over powers of 4, >= MIN_PACK."""
+    lengths = [tokens]
+    while lengths[-1] // 4 >= MIN_PACK:
+        lengths.append(lengths[-1] // 4)
+    return lengths[::-1]
+
+
+class Queue:
+    """The requests not admitted yet, taken in order, with their prompts' prefill tokens (all
+    but the last) summed, so the gathering rule costs O(1) per step at any row count."""
+
+    def __init__(self, requests: Sequence[Request]):
+        self.requests, self.head = requests, 0
+        self.csum = np.cumsum([0] + [len(r.prompt) - 1 for r in requests])
+
+    def __len__(self) -> int:
+        return len(self.requests) - self.head
+
+    def tokens(self, n: int) -> int:
+        """Prefill tokens of the next n requests."""
+        return int(self.csum[self.head + n] - self.csum[self.head])
+
+    def fitting(self, budget: int, n: int) -> int:
+        """How many of the next n requests fit `budget` prefill tokens together."""
+        ends = self.csum[self.head + 1 : self.head + n + 1] - self.csum[self.head]
+        return int(np.searchsorted(ends, budget, side="right"))
+
+    def take(self, k: int) -> range:
+        taken = range(self.head, self.head + k)
+        self.head += k
+        return taken
 
 
 class BatchedEngine:
@@ -187,12 +237,14 @@ class BatchedEngine:
     graphs (families.graph_safe_experts). `graphs` (default: on CUDA) captures the decode step
     and each prefill shape as CUDA graphs; `compile` (default: with graphs) compiles the step's
     per-layer functions for their one shape. `memory_budget`: bytes the cache and step buffers
-    may take (None: memory.MEMORY_SHARE of the free memory)."""
+    may take (None: memory.MEMORY_SHARE of the free memory). `pack_tokens`: the longest prefill
+    pack (None: `default_pack`; at least the capacity); `refill_rows`: free rows that start a
+    refill however few tokens their prompts hold (None: rows / REFILL_SHARE, at least 1)."""
 
     def __init__(
         self, model: nn.Module, rows: int, capacity: int, graphs: bool | None = None,
         compile: bool | None = None, memory_budget: int | None = None,
-        prefill_tokens: int = PREFILL_TOKENS,
+        pack_tokens: int | None = None, refill_rows: int | None = None,
     ):  # fmt: skip
         check_target(model)
         self.capacity = -(-capacity // CAPACITY_ALIGN) * CAPACITY_ALIGN
@@ -211,7 +263,12 @@ class BatchedEngine:
         shape = (rows + 1, kv_heads, self.capacity, head_dim)  # row `rows`: scratch
         self.kv, self.k, self.v = kv_buffer(len(self.base.layers), shape, weight)
         self.fused = [fuse_layer(layer) for layer in self.base.layers]
-        self.prefill_tokens = prefill_tokens
+        longest = 1 << (self.capacity - 1).bit_length()  # every prompt fits a pack
+        self.pack = max(longest, pack_tokens or default_pack(model))
+        self.packs = pack_lengths(self.pack)
+        self.refill_rows = refill_rows or max(1, rows // REFILL_SHARE)
+        if not 1 <= self.refill_rows <= rows:
+            raise ValueError(f"refill_rows is {refill_rows}: expected 1..{rows} (the rows)")
         self.layer = compiled(decode_layer, self.compiled)
         self.inputs = compiled(decode_inputs, self.compiled)
         self.cols = torch.arange(self.capacity, device=self.device)  # (C,)
@@ -239,7 +296,7 @@ class BatchedEngine:
         self._pool = torch.cuda.graph_pool_handle() if self.graphs else None
         pinned = {"pin_memory": True} if cuda else {}
         self._host = [torch.zeros(3, rows, dtype=torch.long, **pinned) for _ in range(2)]
-        self.stats: Counter[str] = Counter()  # steps, prefills, prefill_tokens, captures
+        self.stats: Counter[str] = Counter()  # steps, prefills, prefill/prompt_tokens, captures
 
     @torch.no_grad()
     def generate(
@@ -251,10 +308,11 @@ class BatchedEngine:
         limits = self._check(requests, max_new_tokens, stop_ids, sampling)
         key, step = self._decoder(sampling if any(r.seed is not None for r in requests) else None)
         self.stops.fill_(-1).narrow(0, 0, len(stop_ids)).copy_(torch.tensor(sorted(stop_ids)))
-        queue, owner = deque(range(len(requests))), [-1] * self.rows  # slot -> request index
+        queue, owner = Queue(requests), [-1] * self.rows  # slot -> request index
         out = np.zeros((self.rows, self.capacity), dtype=np.int64)  # per slot: its answer so far
         count = np.zeros(self.rows, dtype=np.int64)
-        busy = self._refill(list(range(self.rows)), queue, owner, requests, limits, count)
+        free = list(range(self.rows))[::-1]
+        busy = self._admit(free, queue, 0, owner, limits, count)
         pending, turn = None, 0
         while pending is not None or busy:
             current = None
@@ -271,9 +329,23 @@ class BatchedEngine:
                     new = out[r, : count[r]].tolist()
                     yield Answer(owner[r], new, "stop" if new[-1] in stop_ids else "length")
                     owner[r] = -1
-                busy += self._refill(freed, queue, owner, requests, limits, count) - len(freed)
+                free += freed
+                busy -= len(freed)
+                busy += self._admit(free, queue, busy, owner, limits, count)
             pending = current
         self.stats["steps"] += turn
+
+    @torch.no_grad()
+    def prepare(self, sampling: Sampling | None = None) -> None:
+        """Capture (or, without graphs, run once) the decode step and every pack length's
+        prefill now, so a run captures nothing: all-padding packs, which write the scratch row
+        only."""
+        for key in [None] + ([sampling] if sampling is not None else []):
+            self._decoder(key)
+        for T in self.packs:
+            pack = torch.zeros(4, T, dtype=torch.long)
+            pack[1], pack[3] = self.rows, -1
+            self._run(("prefill", T), self._prefill_forward, pack)
 
     @torch.no_grad()
     def idle_steps(self, n: int) -> None:
@@ -336,16 +408,31 @@ class BatchedEngine:
             self.stats["captures"] += 1
         return key, self._steps[sampling]
 
-    def _refill(
-        self, slots: list[int], queue: deque, owner: list[int], requests: Sequence[Request],
-        limits: list[int], count: np.ndarray,
+    def _admit(
+        self, free: list[int], queue: Queue, busy: int, owner: list[int], limits: list[int],
+        count: np.ndarray,
     ) -> int:  # fmt: skip
-        """The next requests into free `slots`: state, uniforms and prefills, queued on the
-        device after the step in flight (the rows take part from the next step on). Returns
-        how many slots it filled."""
-        taken = [(r, queue.popleft()) for r in slots[: len(queue)]]
-        if not taken:
-            return 0
+        """The next requests into `free` rows, a pack at a time, while the gathering rule (module
+        docstring) holds: the free rows' next prompts fill a pack, `refill_rows` rows are free,
+        no row is busy, or the queue's last requests fit the free rows. Returns how many."""
+        admitted = 0
+        while free and queue:
+            n = min(len(free), len(queue))
+            if not (queue.tokens(n) >= self.pack or len(free) >= self.refill_rows
+                    or busy + admitted == 0 or len(queue) <= len(free)):  # fmt: skip
+                break
+            taken = [(free.pop(), j) for j in queue.take(queue.fitting(self.pack, n))]
+            self._refill(taken, queue.requests, owner, limits, count)
+            admitted += len(taken)
+        return admitted
+
+    def _refill(
+        self, taken: list[tuple[int, int]], requests: Sequence[Request], owner: list[int],
+        limits: list[int], count: np.ndarray,
+    ) -> None:  # fmt: skip
+        """Requests j into rows r, (r, j) in `taken`: state, uniforms and one pack's prefill,
+        queued on the device after the step in flight (the rows take part from the next step
+        on)."""
 
         def initial(j: int) -> list[int]:  # token, length, produced, limit, active, sampled
             r = requests[j]
@@ -364,39 +451,38 @@ class BatchedEngine:
             self.state[name].index_copy_(0, rows, state[:, k].to(self.state[name].dtype))
         self.state["uniforms"].index_copy_(0, rows, self._upload(uniforms))
         self._prefill([(r, requests[j].prompt[:-1]) for r, j in taken])
-        return len(taken)
 
     def _prefill(self, jobs: list[tuple[int, Sequence[int]]]) -> None:
-        """Each (row, tokens) cached at slots 0..len-1 of its row: the rows of one length bucket
-        together, in chunks of at most prefill_tokens, padded to a power-of-two row count."""
-        by_bucket = defaultdict(list)
-        for row, ids in jobs:
-            if ids:  # a one-token prompt has nothing to cache
-                by_bucket[bucket(len(ids), self.capacity)].append((row, ids))
-        for P, group in sorted(by_bucket.items()):
-            per = 1 << (max(1, self.prefill_tokens // P).bit_length() - 1)
-            for i in range(0, len(group), per):
-                chunk = group[i : i + per]
-                n = 1 << (len(chunk) - 1).bit_length()
-                ids = torch.zeros(n, P, dtype=torch.long)  # (n, P), right-padded
-                rows = torch.full((n,), self.rows)  # pad rows write the scratch row
-                for k, (row, tokens) in enumerate(chunk):
-                    ids[k, : len(tokens)], rows[k] = torch.tensor(tokens), row
-                self._run(("prefill", n, P), self._prefill_forward, ids, rows)
-                self.stats["prefills"] += 1
-                self.stats["prefill_tokens"] += n * P
+        """Each (row, tokens) cached at slots 0..len-1 of its row, all in one pack: the prompts
+        one after another, padded to the shortest pack length that holds them (the pad writes
+        the scratch row)."""
+        used = sum(len(ids) for _, ids in jobs)
+        if not used:  # one-token prompts have nothing to cache
+            return
+        T = next(n for n in self.packs if n >= used)
+        pack = np.zeros((4, T), dtype=np.int64)  # ids, rows, positions, prompt in the pack
+        pack[1], pack[3] = self.rows, -1
+        at = 0
+        for k, (row, ids) in enumerate(jobs):
+            m = len(ids)
+            pack[:, at : at + m] = [ids, [row] * m, range(m), [k] * m]
+            at += m
+        self._run(("prefill", T), self._prefill_forward, torch.from_numpy(pack))
+        self.stats["prefills"] += 1
+        self.stats["prefill_tokens"] += T
+        self.stats["prompt_tokens"] += used
 
-    def _prefill_forward(self, ids: Tensor, rows: Tensor) -> None:
-        """Prompts ids (n, P) into cache rows `rows` (n,): every layer's K/V, no logits (a
-        row's last prompt token is its first step's input). Eager: its shapes vary."""
-        P = ids.shape[1]
-        x = self.base.embed_tokens(ids)  # (n, P, H)
-        causal = torch.ones(P, P, dtype=torch.bool, device=self.device).tril()  # (P, P)
-        pos = self.cols[:P]
-        masks = [fold_mask(windowed(causal, pos, pos, w), self.groups) for w in self.windows]
+    def _prefill_forward(self, pack: Tensor) -> None:
+        """A pack (4, T) of ids, cache rows, positions and prompt numbers into the cache: every
+        layer's K/V, no logits (a row's last prompt token is its first step's input). Eager
+        (one graph per pack length on CUDA)."""
+        ids, rows, pos, seg = pack
+        x = self.base.embed_tokens(ids[None])  # (1, T, H)
+        block = (seg[:, None] == seg[None]) & (pos[:, None] >= pos[None])  # (T, T): own prompt
+        masks = [fold_mask(windowed(block, pos, pos, w), self.groups) for w in self.windows]
         for i, layer in enumerate(self.base.layers):
             cos, sin = self.tables[self.rope_of[i]]
-            x = prefill_layer(layer, x, self.k[i], self.v[i], cos[:P], sin[:P], rows,
+            x = prefill_layer(layer, x, self.k[i], self.v[i], cos[pos], sin[pos], (rows, pos),
                               masks[self.mask_of[i]], self.fused[i])  # fmt: skip
 
     def _run(self, key: tuple, fn: Callable, *inputs: Tensor) -> None:
