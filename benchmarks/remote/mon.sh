@@ -3,7 +3,8 @@
 # are done or SECONDS pass; then the table, and their small files bundled into $OUT/q.tar.gz.
 # KEEP="main stdlib-answers" also brings those runs' regenerated answers back in $OUT (parts of
 # <= 15 MB in /tmp/q/keep, quality.py --keep; the first 4 beside the (up to four) other files it
-# returns, the rest named for a later call to copy).
+# returns, the rest named for a later call to copy). CC=1 also returns the torch.compile bundles
+# the runs saved (/tmp/cc: `pack.sh compile DIR` carries them to the next machine).
 cd "$(dirname "$0")/../.." && . benchmarks/remote/setup.sh >/dev/null
 end=$((SECONDS + $1))
 if ! ls -d /tmp/runs/quality-* >/dev/null 2>&1; then  # a fresh machine: the warm one was handed back
@@ -27,6 +28,9 @@ status
 python3 benchmarks/quality.py --table --runs /tmp/runs --out $OUT/rows.json --bundle $OUT/q.tar.gz
 cat /tmp/q/*.out > $OUT/drivers.out 2>/dev/null
 [ -f /tmp/q/steps.json ] && cp /tmp/q/steps.json $OUT/  # bg.sh STEPS=...
+if [ -n "${CC:-}" ] && ls /tmp/cc/*.torchcompile >/dev/null 2>&1; then  # CC=1: the compile bundles
+  mkdir -p $OUT/cc && cp /tmp/cc/*.torchcompile $OUT/cc/ && du -sh $OUT/cc
+fi
 if [ -n "${KEEP:-}" ]; then   # a call returns 8 files: 4 parts here, the rest on later calls
   python3 benchmarks/quality.py $KEEP --runs /tmp/runs --table --keep /tmp/q/keep >/dev/null
   ls /tmp/q/keep | head -4 | while read -r f; do cp /tmp/q/keep/$f $OUT/; done

@@ -12,9 +12,29 @@
 # mon.sh with KEEP=..., each call's files_at a DIR) into .remote/k1, k2, ... of at most 60 MB
 # each, one carry per folder;
 # setup.sh gathers them and bg.sh restores them, so those runs start at extract.
+# `pack.sh gemma`: Gemma 3 270M's GGUF (configs/gemma3-270m-quality.yaml, 253 MB, retrieved
+# here) in five parts .remote/g1..g5 of about 51 MB, one carry each, beside a/b/c's wheels and
+# prompts; setup.sh joins them once all five are there and checks the config's sha256.
+# `pack.sh compile DIR...`: the compile-cache bundles (*.torchcompile) an earlier machine saved
+# (mon.sh returns them) into .remote/cc; setup.sh puts them where DFLASHPIPE_COMPILE_CACHE points.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 R=.remote
+if [ "${1:-}" = gemma ]; then
+  G=resources/gemma3/gemma-3-270m-q4_k_m.gguf
+  rm -rf $R/g*; size=$(stat -c %s $G); part=$(( (size + 4) / 5 ))
+  for i in 0 1 2 3 4; do
+    mkdir -p $R/g$((i + 1))
+    dd if=$G of=$R/g$((i + 1))/gemma.gguf.$i bs=4M iflag=skip_bytes,count_bytes skip=$((i * part)) count=$part status=none
+  done
+  sha256sum $G | cut -d' ' -f1 > $R/g1/gemma.gguf.sha256
+  du -sh $R/g*; exit 0
+fi
+if [ "${1:-}" = compile ]; then
+  shift; rm -rf $R/cc && mkdir -p $R/cc
+  for d in "$@"; do cp "$d"/*.torchcompile $R/cc/; done
+  du -sh $R/cc; exit 0
+fi
 if [ "${1:-}" = answers ]; then
   shift; rm -rf $R/k*; n=1; used=0
   for part in $(for d in "$@"; do ls "$d"/answers-*.part-*; done | awk -F/ '{print $NF" "$0}' | sort | cut -d' ' -f2); do

@@ -9,7 +9,16 @@ if [ -d .remote/a/whl ] && [ ! -f /tmp/site/.done ]; then
 fi
 [ -x /tmp/bin/python ] || { printf '#!/bin/sh\nexec python3 "$@"\n' > /tmp/bin/python; chmod +x /tmp/bin/python; }
 export PATH=/tmp/bin:/tmp/site/bin:$PATH PYTHONPATH=/tmp/site:$PWD/src
-for d in .remote/a .remote/b .remote/c .remote/k*; do [ -d $d ] && find $d -maxdepth 1 -type f -exec cp --update=none {} /tmp/xfer/ \;; done
+for d in .remote/a .remote/b .remote/c .remote/k* .remote/g*; do [ -d $d ] && find $d -maxdepth 1 -type f -exec cp --update=none {} /tmp/xfer/ \;; done
+# torch.compile's bundles: an earlier machine's (pack.sh compile) loaded, this machine's saved here
+export DFLASHPIPE_COMPILE_CACHE=/tmp/cc
+mkdir -p /tmp/cc && { [ -d .remote/cc ] && cp --update=none .remote/cc/*.torchcompile /tmp/cc/ 2>/dev/null; true; }
+GG=/tmp/res/gemma3/gemma-3-270m-q4_k_m.gguf
+if [ ! -f $GG ] && [ "$(ls /tmp/xfer/gemma.gguf.[0-4] 2>/dev/null | wc -l)" = 5 ]; then
+  mkdir -p /tmp/res/gemma3 && cat /tmp/xfer/gemma.gguf.[0-4] > $GG.tmp
+  if [ "$(sha256sum $GG.tmp | cut -d' ' -f1)" = "$(cat /tmp/xfer/gemma.gguf.sha256)" ]; then mv $GG.tmp $GG
+  else echo "setup.sh: the joined Gemma GGUF does not match its sha256; parts left in /tmp/xfer" >&2; rm $GG.tmp; fi
+fi
 G=/tmp/res/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 if [ ! -f $G ] && [ -f /tmp/xfer/gguf.0 ] && [ -f /tmp/xfer/gguf.1 ]; then cat /tmp/xfer/gguf.0 /tmp/xfer/gguf.1 > $G.tmp && mv $G.tmp $G; fi
 S=/tmp/res/sharegpt/ShareGPT_V3_unfiltered_cleaned_split.json
@@ -19,5 +28,5 @@ fi
 [ -f /tmp/xfer/HumanEval.jsonl.gz ] && cp --update=none /tmp/xfer/HumanEval.jsonl.gz /tmp/res/humaneval/
 for w in /tmp/xfer/*-py3-none-any.whl; do [ -f "$w" ] && cp --update=none "$w" /tmp/res/code/; done
 [ -e resources ] || ln -s /tmp/res resources
-(cd /tmp/res && sha256sum smollm2/* sharegpt/* humaneval/* code/* 2>/dev/null)
+(cd /tmp/res && sha256sum smollm2/* sharegpt/* humaneval/* code/* gemma3/* 2>/dev/null)
 true

@@ -19,6 +19,7 @@ from dflashpipe.config import load_config
 from dflashpipe.errors import ConfigError, DflashpipeError
 
 log = logging.getLogger("dflashpipe")
+COMPILING = ("regenerate", "extract", "evaluate")  # with train's workers: compile_cache.carried
 
 
 def cmd_check_config(args: argparse.Namespace) -> None:
@@ -212,7 +213,12 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     try:
-        return args.fn(args) or 0
+        if args.command not in COMPILING:
+            return args.fn(args) or 0
+        from dflashpipe.compile_cache import carried
+
+        with carried(args.command):
+            return args.fn(args) or 0
     except DflashpipeError as e:
         print(f"dflashpipe {args.command}: error: {e}", file=sys.stderr)
         return 2

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dflashpipe import checkpoint, faults
+from dflashpipe.compile_cache import carried
 from dflashpipe.config import Config, load_config
 from dflashpipe.data import (
     PackedBatches,
@@ -571,9 +572,10 @@ def main(argv: list[str] | None = None) -> None:
         if threads
         else max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     )
-    train_and_export(
-        cfg, Path(args.manifest), Path(args.run_dir), args.drafter, args.metrics, device
-    )
+    with carried("train"):
+        train_and_export(
+            cfg, Path(args.manifest), Path(args.run_dir), args.drafter, args.metrics, device
+        )
     if dist.is_initialized():
         dist.destroy_process_group()
 
