@@ -27,6 +27,8 @@ the whole static cache the step attends over: rows x slots x layers x 2 x kv_hea
     python benchmarks/regenerate.py --smoke                                # CPU, tiny shapes, < 1 min
     python benchmarks/regenerate.py --shapes recipe --paths engine --refill-rows 16 64 256
                                                                            # sweep the refill rule
+    python benchmarks/regenerate.py --tiny-model --paths engine --pack-tokens 2048
+                                  # CPU: the refill rule's figures at the real rows and lengths
 
 The engine's cells also give its refill figures: `active` (the share of row-steps that made a
 token: what gathered refills cost), `prefills` (pack forwards in the run) and `fill` (the packs'
@@ -233,7 +235,7 @@ def compare(args, device: torch.device) -> list[dict]:
     rows = []
     for name in args.shapes:
         shape = (SMOKE if args.smoke else SHAPES)[name]
-        model = build_model(name, device, args.smoke)
+        model = build_model(name, device, args.smoke or args.tiny_model)
         lengths_file = str(HERE / "smollm2-sharegpt-prompt-lengths.json")
         cap = shape.width if shape.prompt is None else None
         ps = prompts(shape.requests, model.config.vocab_size, 0, lengths_file, shape.prompt, cap)
@@ -361,6 +363,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--refill-rows", type=int, nargs="+", default=[None],
                     help="the engine's refill gathering (free rows) to sweep (default: its own)")  # fmt: skip
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes (the suite runs it)")
+    ap.add_argument("--tiny-model", action="store_true",
+                    help="CPU: the shapes' rows, prompts and answers on a 2-layer model; only the "
+                    "refill figures (steps, active, prefills, fill) mean anything")  # fmt: skip
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
     ap.add_argument("--profile", type=int, default=0, metavar="BATCH",
                     help="instead: profile one generate() batch of BATCH recipe rows")  # fmt: skip
@@ -371,7 +376,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--attns", nargs="+", default=["sdpa", "hf_sdpa"])
     ap.add_argument("--new-tokens", type=int, default=64, help="--profile / --same-answers")
     args = ap.parse_args(argv)
-    device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
+    cpu = args.smoke or args.tiny_model or not torch.cuda.is_available()
+    device = torch.device("cpu" if cpu else "cuda")
     if args.profile or args.same_answers or args.profile_engine:
         lengths = str(HERE / "smollm2-sharegpt-prompt-lengths.json")
         n = max(args.profile, args.same_answers, args.profile_engine)

@@ -392,6 +392,7 @@ LONGEST_FIRST = {  # seconds on the 2-core machine with two workers (tests/READM
     "test_gguf_cache_matches_a_direct_gguf_load": 42,
     "test_extract_on_a_full_disk": 39,
     "test_killed_job_leaves_no_shard_and_rerun_matches": 31,
+    "test_a_fresh_machine_loads_the_bundle_instead_of_compiling": 30,  # two CPU compiles
 }
 PAIRED = {  # (runs just before, runs just after): tests that would otherwise wait on a lock
     # the two SLURM tests share one cluster, one at a time
