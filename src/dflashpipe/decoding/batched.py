@@ -57,9 +57,8 @@ from dflashpipe.decoding.families import (
 )
 from dflashpipe.decoding.memory import check_fit
 from dflashpipe.decoding.sampling import Sampling, draw
-from dflashpipe.decoding.static_models import CAPACITY_ALIGN, compiled, kv_buffer
+from dflashpipe.decoding.static_models import CAPACITY_ALIGN, capture, compiled, kv_buffer
 
-WARMUP_RUNS = 3  # eager runs on a side stream before a capture, as the CUDA-graph docs advise
 MIN_PACK = 64  # the shortest prefill pack
 PACK_MASK_BYTES = 1 << 28  # a pack's folded bool mask (groups x T x T) at most
 REFILL_SHARE = 16  # by default refills wait for rows / REFILL_SHARE free rows at most
@@ -163,23 +162,6 @@ def advance(
     s["packed"].copy_(torch.stack([step, token, done.long()]))  # (3, R)
     s["token"].copy_(torch.where(active, token, s["token"]))
     s["active"].copy_(active & ~done)
-
-
-def capture(fn: Callable[[], None], device: torch.device, pool) -> torch.cuda.CUDAGraph:
-    """fn's kernels as a CUDA graph, after warm-up runs on a side stream. fn runs for real in the
-    warm-ups, so it must give the same result when run again (the prefills and a step of idle
-    rows do)."""
-    with torch.cuda.device(device):
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(WARMUP_RUNS):
-                fn()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool):  # one pool: the graphs replay one at a time
-            fn()
-    return graph
 
 
 def default_pack(model: nn.Module) -> int:

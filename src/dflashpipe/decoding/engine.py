@@ -49,12 +49,11 @@ import torch
 from torch import nn
 
 from dflashpipe.decoding.families import check_target, graph_safe_experts
-from dflashpipe.decoding.static_models import StaticDrafter, StaticTarget, compiled
+from dflashpipe.decoding.static_models import StaticDrafter, StaticTarget, capture, compiled
 from dflashpipe.decoding.types import Decoded, Proposer, clock, finish
 from dflashpipe.model import Drafter
 
 log = logging.getLogger(__name__)
-WARMUP_RUNS = 3  # eager runs on a side stream before capture, as the CUDA-graph docs advise
 # Step shapes per compiled layer function: target 1 (greedy), B (verify), budget+1 per DDTree
 # budget; dynamo's default (8) would fall back to eager from the ninth.
 RECOMPILE_LIMIT = 32
@@ -191,21 +190,8 @@ class Engine:
                 self.captures[kind] += 1
 
     def _record(self, step: Callable[[], None]) -> torch.cuda.CUDAGraph:
-        with torch.cuda.device(self.device):
-            current = torch.cuda.current_stream()
-            side = torch.cuda.Stream()
-            side.wait_stream(current)
-            with torch.cuda.stream(side):  # warm-up off the capture path, per the CUDA-graph docs
-                for _ in range(WARMUP_RUNS):
-                    self._reset()
-                    step()
-            current.wait_stream(side)
-            self._reset()
-            self._pool = self._pool or torch.cuda.graph_pool_handle()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):  # the steps run in turn: one pool
-                step()
-        return graph
+        self._pool = self._pool or torch.cuda.graph_pool_handle()
+        return capture(step, self.device, self._pool, self._reset)
 
     def _check_fit(
         self, prompt_length: int, max_new_tokens: int, slack: int, what: str = "block_size"

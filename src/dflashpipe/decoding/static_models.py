@@ -33,7 +33,7 @@ target step padded with launches they amortize.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -209,6 +209,32 @@ def kv_buffer(n_layers: int, shape: tuple[int, ...], like: Tensor) -> tuple[Tens
     and its per-layer K and V views."""
     kv = torch.zeros((2 * n_layers, *shape), dtype=like.dtype, device=like.device)
     return kv, list(kv[:n_layers]), list(kv[n_layers:])
+
+
+WARMUP_RUNS = 3  # eager runs on a side stream before a capture, as the CUDA-graph docs advise
+
+
+def capture(
+    fn: Callable[[], None], device: torch.device, pool, reset: Callable[[], None] = lambda: None
+) -> torch.cuda.CUDAGraph:
+    """fn's kernels as a CUDA graph in memory pool `pool` (the engines' graphs replay one at a
+    time, so they share one), after warm-up runs on a side stream; `reset` runs before each
+    warm-up and before the capture. fn runs for real in the warm-ups: after `reset` it must give
+    the same result when run again."""
+    with torch.cuda.device(device):
+        current = torch.cuda.current_stream()
+        side = torch.cuda.Stream()
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            for _ in range(WARMUP_RUNS):
+                reset()
+                fn()
+        current.wait_stream(side)
+        reset()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool):
+            fn()
+    return graph
 
 
 def compiled(fn, on: bool):
