@@ -31,8 +31,10 @@ the whole static cache the step attends over: rows x slots x layers x 2 x kv_hea
                                   # CPU: the refill rule's figures at the real rows and lengths
 
 The engine's cells also give its refill figures: `active` (the share of row-steps that made a
-token: what gathered refills cost), `prefills` (pack forwards in the run) and `fill` (the packs'
-prompt tokens over their length). Every graph is captured before the timed run.
+token: what gathered refills cost), `prefills` (pack forwards in the run), `fill` (the packs'
+prompt tokens over their length) and `span` (the share of the cache its steps attended over:
+each takes the shortest quarter that holds its busy rows). Requests go in longest prompt first,
+as regenerate's plan feeds them; every graph is captured before the timed run.
 
 Diagnostics of the generate() path (CUDA): `--profile BATCH` (where a batch's step time goes,
 torch.profiler) and `--same-answers ROWS` (float32 greedy answers of attention implementations).
@@ -180,6 +182,7 @@ def bench_engine(model, shape: Shape, ps, lengths, pack: int | None = None,
     requests = [
         Request(str(i), p, None, n) for i, (p, n) in enumerate(zip(ps, lengths, strict=True))
     ]
+    requests.sort(key=lambda r: -len(r.prompt))  # longest first, as regenerate's plan feeds it
     short = [Request(r.name, r.prompt, None, 2) for r in requests[: 2 * shape.rows]]
     warm = timed(lambda: (engine.prepare(), list(engine.generate(short, 2, set()))), engine.device)
     before = dict(engine.stats)
@@ -198,6 +201,7 @@ def bench_engine(model, shape: Shape, ps, lengths, pack: int | None = None,
            "pack_tokens": engine.pack, "refill_rows": engine.refill_rows,
            "active_share": sum(lengths) / (steps * shape.rows),  # rows that made a token
            "prefills": ran["prefills"], "pack_fill": ran["prompt_tokens"] / ran["prefill_tokens"],
+           "span_share": ran["span_slots"] / (steps * engine.capacity),  # of the cache read
            "captures_in_run": ran.get("captures", 0)}  # fmt: skip
     return row
 
@@ -263,7 +267,7 @@ def compare(args, device: torch.device) -> list[dict]:
 def report(rows: list[dict]) -> None:
     print(f"\n{'shape':<10}{'path':<12}{'rows':>6}{'pack':>6}{'refill':>7}{'tok/s':>10}"
           f"{'bound':>10}{'share':>7}{'ms/step':>9}{'alone':>8}{'bound':>8}{'share':>7}"
-          f"{'active':>7}{'prefills':>9}{'fill':>6}")  # fmt: skip
+          f"{'active':>7}{'prefills':>9}{'fill':>6}{'span':>6}")  # fmt: skip
     for r in rows:
         engine = r["path"] == "engine"
 
@@ -274,7 +278,8 @@ def report(rows: list[dict]) -> None:
               f"{cell('refill_rows', '', 7)}{r['tok_s']:>10.0f}{r['bound_tok_s']:>10.0f}"
               f"{r['tok_s_bound_share']:>7.0%}{r['step_ms']:>9.2f}{cell('step_alone_ms', '.2f', 8)}"
               f" {r['bound_ms']:>7.3g}{r['step_bound_share']:>7.0%}{cell('active_share', '.0%', 7)}"
-              f"{cell('prefills', '', 9)}{cell('pack_fill', '.0%', 6)}")  # fmt: skip
+              f"{cell('prefills', '', 9)}{cell('pack_fill', '.0%', 6)}"
+              f"{cell('span_share', '.0%', 6)}")  # fmt: skip
     by = {}
     for r in rows:  # the best engine cell of each shape
         key = (r["shape"], r["path"])

@@ -117,6 +117,18 @@ def test_gathered_refills_and_packs_change_no_answer(varied):
         BatchedEngine(model, rows=6, capacity=capacity, refill_rows=7)
 
 
+def test_a_step_attends_over_the_shortest_span_that_holds_its_busy_rows(varied):
+    """Longest prompts first (regenerate's plan) in a cache with room to spare: later steps
+    attend over a quarter or half of each row's slots, and the answers are still generate()'s."""
+    model, tok = varied
+    prompts = sorted(chat_prompts(tok, 20), key=len, reverse=True)
+    stops = end_of_turn_ids(tok)
+    engine = BatchedEngine(model, rows=4, capacity=max(map(len, prompts)) + 10 + 96)
+    assert engine.spans == [64, 112, 160, 208]  # the capacity's quarters, aligned to 16
+    assert decode(engine, prompts, 10, stops) == reference(model, tok, prompts, 10, stops)
+    assert engine.stats["span_slots"] <= 0.6 * engine.stats["steps"] * engine.capacity
+
+
 def test_sampled_answers_do_not_depend_on_rows_runs_or_resume(varied):
     model, tok = varied
     prompts, stops = chat_prompts(tok, 14), end_of_turn_ids(tok)

@@ -32,6 +32,7 @@ only sync (refills add host-to-device copies only).
 
 from __future__ import annotations
 
+import bisect
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -95,7 +96,9 @@ def decode_inputs(
     full = (cols[None] <= length[:, None])[:, None]  # (R, 1, C): one query per row
     masks = [windowed(full, length[:, None], cols[None], w)[:, None].expand(R, 1, groups, -1)
              for w in windows]  # (R, 1, g, C) each  # fmt: skip
-    index = (torch.arange(R, device=token.device), length)  # (R,), (R,)
+    # an idle row may rest past a short span: it writes the span's last slot (its slots are
+    # refilled before they are read); a busy row's length is always within the span
+    index = (torch.arange(R, device=token.device), length.clamp(max=cols.shape[0] - 1))
     ropes = [(cos[length][:, None, None], sin[length][:, None, None]) for cos, sin in tables]
     return embed(token), ropes, index, masks
 
@@ -176,6 +179,15 @@ def default_pack(model: nn.Module) -> int:
     even = weights // (2 * heads * head_dim * len(layers))  # attention flops = linear flops
     fits = int((PACK_MASK_BYTES / (heads // kv_heads)) ** 0.5)
     return max(MIN_PACK, 1 << (min(even, fits).bit_length() - 1))
+
+
+def span_lengths(capacity: int) -> list[int]:
+    """The cache spans a decode step may attend over, shortest first: the capacity's quarters
+    (aligned), the capacity last. Each step takes the shortest that holds every busy row's prompt
+    and answer, so a run fed longest prompts first (as regenerate's plan is) reads less and less
+    of the cache as it goes."""
+    aligned = {-(-capacity * q // 4 // CAPACITY_ALIGN) * CAPACITY_ALIGN for q in (1, 2, 3)}
+    return sorted(n for n in aligned if n < capacity) + [capacity]
 
 
 def pack_lengths(tokens: int) -> list[int]:
@@ -273,7 +285,10 @@ class BatchedEngine:
             "packed": torch.zeros(3, rows, **long),  # [emitted, token, done]: the read-back
         }
         self.stops = torch.full((MAX_STOPS,), -1, **long)  # the call's stop ids; -1 pads
-        self._steps: dict[Sampling | None, Callable] = {}
+        self.spans = span_lengths(self.capacity)
+        self._extent = np.zeros(rows, dtype=np.int64)  # per row: prompt + limit; 0: free
+        self._choosers: dict[Sampling | None, Callable] = {}
+        self._steps: dict[tuple, Callable] = {}
         self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, list[Tensor]]] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.graphs else None
         pinned = {"pin_memory": True} if cuda else {}
@@ -288,7 +303,10 @@ class BatchedEngine:
         """Answers to `requests` as they finish (not in request order); requests with a seed
         are sampled under `sampling`. Every request is checked before anything is decoded."""
         limits = self._check(requests, max_new_tokens, stop_ids, sampling)
-        key, step = self._decoder(sampling if any(r.seed is not None for r in requests) else None)
+        sampled = sampling if any(r.seed is not None for r in requests) else None
+        self.state["active"].zero_()  # every row idle (a call left early leaves rows on)
+        self._extent[:] = 0
+        steps = [self._decoder(sampled, span) for span in self.spans]
         self.stops.fill_(-1).narrow(0, 0, len(stop_ids)).copy_(torch.tensor(sorted(stop_ids)))
         queue, owner = Queue(requests), [-1] * self.rows  # slot -> request index
         out = np.zeros((self.rows, self.capacity), dtype=np.int64)  # per slot: its answer so far
@@ -298,8 +316,10 @@ class BatchedEngine:
         pending, turn = None, 0
         while pending is not None or busy:
             current = None
-            if busy:
-                self._run(key, step)
+            if busy:  # the shortest span that holds every busy row's prompt and answer
+                k = bisect.bisect_left(self.spans, self._extent.max())
+                self._run(*steps[k])
+                self.stats["span_slots"] += self.spans[k]
                 current, turn = self._read_back(turn), turn + 1
             if pending is not None:
                 emitted, tokens, done = self._wait(pending)
@@ -312,6 +332,7 @@ class BatchedEngine:
                     yield Answer(owner[r], new, "stop" if new[-1] in stop_ids else "length")
                     owner[r] = -1
                 free += freed
+                self._extent[freed] = 0
                 busy -= len(freed)
                 busy += self._admit(free, queue, busy, owner, limits, count)
             pending = current
@@ -322,8 +343,10 @@ class BatchedEngine:
         """Capture (or, without graphs, run once) the decode step and every pack length's
         prefill now, so a run captures nothing: all-padding packs, which write the scratch row
         only."""
+        self.state["active"].zero_()
         for key in [None] + ([sampling] if sampling is not None else []):
-            self._decoder(key)
+            for span in self.spans:
+                self._decoder(key, span)
         for T in self.packs:
             pack = torch.zeros(4, T, dtype=torch.long)
             pack[1], pack[3] = self.rows, -1
@@ -331,9 +354,10 @@ class BatchedEngine:
 
     @torch.no_grad()
     def idle_steps(self, n: int) -> None:
-        """n greedy decode steps with every row idle (the kernels and shapes of any step: what
-        benchmarks time alone)."""
-        key, step = self._decoder(None)
+        """n greedy decode steps over the whole cache with every row idle (the kernels and
+        shapes of the longest step: what benchmarks time alone)."""
+        self.state["active"].zero_()
+        key, step = self._decoder(None, self.capacity)
         for _ in range(n):
             self._run(key, step)
 
@@ -359,22 +383,26 @@ class BatchedEngine:
             limits.append(limit)
         return limits
 
-    def _decoder(self, sampling: Sampling | None) -> tuple[tuple, Callable[[], None]]:
-        """The decode step of all rows (greedy, or with sampled rows under `sampling`) and its
-        graph's key; every row idle (a call left early leaves rows on), so a first capture's
-        warm-up runs change nothing."""
-        self.state["active"].zero_()
-        if sampling not in self._steps:
+    def _decoder(self, sampling: Sampling | None, span: int) -> tuple[tuple, Callable[[], None]]:
+        """The decode step of all rows over the first `span` slots of their cache (greedy, or
+        with sampled rows under `sampling`) and its graph's key, captured on first use. A
+        capture's warm-ups run the step for real, so it must come while every row is idle:
+        generate() and prepare() take every span's step before any row is busy."""
+        key = ("decode", sampling, span)
+        if key not in self._steps:
+            if sampling not in self._choosers:
 
-            def tokens(norm, lm_head, x, state, stops):  # sampling: a constant of the graph
-                advance(norm, lm_head, x, state, stops, sampling, self.softcap)
+                def tokens(norm, lm_head, x, state, stops):  # sampling: a constant of the graph
+                    advance(norm, lm_head, x, state, stops, sampling, self.softcap)
 
-            choose = compiled(tokens, self.compiled)
-            k, v = [k[: self.rows] for k in self.k], [v[: self.rows] for v in self.v]
-            s, b = self.state, self.base
+                self._choosers[sampling] = compiled(tokens, self.compiled)
+            choose = self._choosers[sampling]
+            k = [k[: self.rows, :, :span] for k in self.k]  # views: the step reads no further
+            v = [v[: self.rows, :, :span] for v in self.v]
+            cols, s, b = self.cols[:span], self.state, self.base
 
             def step() -> None:
-                x, ropes, index, masks = self.inputs(b.embed_tokens, self.tables, self.cols,
+                x, ropes, index, masks = self.inputs(b.embed_tokens, self.tables, cols,
                                                      s["token"], s["length"], self.windows,
                                                      self.groups)  # fmt: skip
                 for i, layer in enumerate(b.layers):
@@ -383,12 +411,11 @@ class BatchedEngine:
                                    self.fused[i])  # fmt: skip
                 choose(b.norm, self.model.lm_head, x, s, self.stops)
 
-            self._steps[sampling] = step
-        key = ("decode", sampling)
+            self._steps[key] = step
         if self.graphs and key not in self._graphs:
-            self._graphs[key] = (capture(self._steps[sampling], self.device, self._pool), [])
+            self._graphs[key] = (capture(self._steps[key], self.device, self._pool), [])
             self.stats["captures"] += 1
-        return key, self._steps[sampling]
+        return key, self._steps[key]
 
     def _admit(
         self, free: list[int], queue: Queue, busy: int, owner: list[int], limits: list[int],
@@ -425,6 +452,7 @@ class BatchedEngine:
         uniforms = torch.zeros(len(taken), self.capacity)  # (n, C)
         for k, (r, j) in enumerate(taken):
             owner[r], count[r] = j, 0
+            self._extent[r] = len(requests[j].prompt) + limits[j]
             if requests[j].seed is not None:  # the request's own generator, wherever it runs
                 g = torch.Generator().manual_seed(requests[j].seed)
                 uniforms[k, : limits[j]] = torch.rand(limits[j], generator=g)
