@@ -183,9 +183,9 @@ def default_pack(model: nn.Module) -> int:
 
 def span_lengths(capacity: int) -> list[int]:
     """The cache spans a decode step may attend over, shortest first: the capacity's quarters
-    (aligned), the capacity last. Each step takes the shortest that holds every busy row's prompt
-    and answer, so a run fed longest prompts first (as regenerate's plan is) reads less and less
-    of the cache as it goes."""
+    (aligned), the capacity last. Each step takes the shortest that holds every busy row's slots
+    so far and the one it writes, so it reads about as much of the cache as the rows fill, and a
+    run fed longest prompts first (as regenerate's plan is) less and less as it goes."""
     aligned = {-(-capacity * q // 4 // CAPACITY_ALIGN) * CAPACITY_ALIGN for q in (1, 2, 3)}
     return sorted(n for n in aligned if n < capacity) + [capacity]
 
@@ -286,7 +286,7 @@ class BatchedEngine:
         }
         self.stops = torch.full((MAX_STOPS,), -1, **long)  # the call's stop ids; -1 pads
         self.spans = span_lengths(self.capacity)
-        self._extent = np.zeros(rows, dtype=np.int64)  # per row: prompt + limit; 0: free
+        self._prompt = np.zeros(rows, dtype=np.int64)  # per row: its prompt's length; 0: free
         self._choosers: dict[Sampling | None, Callable] = {}
         self._steps: dict[tuple, Callable] = {}
         self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, list[Tensor]]] = {}
@@ -305,7 +305,7 @@ class BatchedEngine:
         limits = self._check(requests, max_new_tokens, stop_ids, sampling)
         sampled = sampling if any(r.seed is not None for r in requests) else None
         self.state["active"].zero_()  # every row idle (a call left early leaves rows on)
-        self._extent[:] = 0
+        self._prompt[:] = 0
         steps = [self._decoder(sampled, span) for span in self.spans]
         self.stops.fill_(-1).narrow(0, 0, len(stop_ids)).copy_(torch.tensor(sorted(stop_ids)))
         queue, owner = Queue(requests), [-1] * self.rows  # slot -> request index
@@ -316,8 +316,8 @@ class BatchedEngine:
         pending, turn = None, 0
         while pending is not None or busy:
             current = None
-            if busy:  # the shortest span that holds every busy row's prompt and answer
-                k = bisect.bisect_left(self.spans, self._extent.max())
+            if busy:  # the shortest span that holds every busy row's slots in this step
+                k = bisect.bisect_left(self.spans, self._reach(count))
                 self._run(*steps[k])
                 self.stats["span_slots"] += self.spans[k]
                 current, turn = self._read_back(turn), turn + 1
@@ -332,7 +332,7 @@ class BatchedEngine:
                     yield Answer(owner[r], new, "stop" if new[-1] in stop_ids else "length")
                     owner[r] = -1
                 free += freed
-                self._extent[freed] = 0
+                self._prompt[freed] = 0
                 busy -= len(freed)
                 busy += self._admit(free, queue, busy, owner, limits, count)
             pending = current
@@ -417,6 +417,12 @@ class BatchedEngine:
             self.stats["captures"] += 1
         return key, self._steps[key]
 
+    def _reach(self, count: np.ndarray) -> int:
+        """Slots the step about to run may touch in any busy row: its prompt, the answer tokens
+        the host has read back (`count`: through the step before the one in flight) and one more
+        for the step in flight: the row's input sits at slot prompt - 1 + produced."""
+        return int(np.where(self._prompt > 0, self._prompt + count, 0).max()) + 1
+
     def _admit(
         self, free: list[int], queue: Queue, busy: int, owner: list[int], limits: list[int],
         count: np.ndarray,
@@ -452,7 +458,7 @@ class BatchedEngine:
         uniforms = torch.zeros(len(taken), self.capacity)  # (n, C)
         for k, (r, j) in enumerate(taken):
             owner[r], count[r] = j, 0
-            self._extent[r] = len(requests[j].prompt) + limits[j]
+            self._prompt[r] = len(requests[j].prompt)
             if requests[j].seed is not None:  # the request's own generator, wherever it runs
                 g = torch.Generator().manual_seed(requests[j].seed)
                 uniforms[k, : limits[j]] = torch.rand(limits[j], generator=g)
