@@ -20,7 +20,9 @@ Printed per shape and path: generated tok/s (useful tokens over the whole run: p
 and the tail included) and the ms per decode step, each against its HBM-bandwidth bound: the
 bytes a step reads (the weights once, the embedding table only where the LM head is not it, and
 the whole static cache the step attends over: rows x slots x layers x 2 x kv_heads x head_dim x
-2 bytes) over 4.8 TB/s (H200). The engine's step is timed alone too (idle rows, same kernels).
+2 bytes) over 4.8 TB/s (H200). The engine's step is timed alone too (idle rows, same kernels,
+the whole cache); in a run its steps attend over a share of the cache (`span` below), so a run's
+tok/s may pass its whole-cache bound's share.
 
     python benchmarks/regenerate.py --out $OUT/regen.json                  # both shapes, both paths
     python benchmarks/regenerate.py --shapes qwen3-8b --paths engine       # one cell

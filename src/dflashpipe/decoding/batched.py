@@ -14,9 +14,11 @@
 
 Cache: one buffer (2 x layers, R + 1, n_kv, capacity, D); row r holds its sequence at slots =
 positions 0..length-1, so nothing depends on the slot a request lands in or on its neighbours
-(sampling too: sampling.py). Row R is scratch, written by a pack's padding. The step attends
-over each row's whole buffer under a length mask (a windowed layer's also drops what lies past
-its window), so its shape never changes.
+(sampling too: sampling.py). Row R is scratch, written by a pack's padding. A step attends
+over the first `span` slots of every row under a length mask (a windowed layer's also drops what
+lies past its window): the shortest of the capacity's quarters that holds every busy row's
+filled slots, one captured graph per span (`span_lengths`), so the cache it reads follows how
+full the rows are rather than the longest prompt + max_new_tokens.
 
 Refills are gathered: freed rows wait until the next prompts fill a pack (`default_pack`: where a
 pack's dense attention costs what its linear layers do), or `refill_rows` rows are free, or
