@@ -129,6 +129,30 @@ def test_a_step_attends_over_the_shortest_span_that_holds_its_busy_rows(varied):
     assert engine.stats["span_slots"] <= 0.6 * engine.stats["steps"] * engine.capacity
 
 
+def test_the_compiled_step_decodes_as_the_eager_one_and_writes_the_cache_in_place(varied):
+    """The step's functions compiled (as on a GPU, where graphs capture them): the same greedy
+    answers, and Inductor's code writes each step's K/V into the cache itself. A write it could
+    not keep in place (a scatter_ into the cache view did this) allocates a buffer of the
+    cache's shape and copies all of it, twice per layer and step (H200: 70% of the step)."""
+    from torch._inductor.utils import run_and_get_code
+
+    model, _ = varied
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 200, (n,), generator=g).tolist() for n in (20, 7, 5, 6, 4, 7)]
+    eager = BatchedEngine(model, rows=3, capacity=32)
+    compiled = BatchedEngine(model, rows=3, capacity=32, compile=True)
+    assert compiled.compiled and not compiled.graphs and compiled.spans == [16, 32]
+    want = decode(eager, prompts, 8, {0})
+    got, code = run_and_get_code(lambda: decode(compiled, prompts, 8, {0}))
+    assert got == want
+    steps, slots = compiled.stats["steps"], compiled.stats["span_slots"]
+    assert 16 * steps < slots < 32 * steps  # both spans ran: the short one is a strided view
+    rows, kv_heads, _, head_dim = compiled.k[0].shape
+    for span in compiled.spans:  # (rows, kv_heads, span, head_dim): the cache view a step reads
+        assert code and not any(f"empty_strided_cpu({(3, kv_heads, span, head_dim)}" in c
+                                for c in code)  # fmt: skip
+
+
 def test_sampled_answers_do_not_depend_on_rows_runs_or_resume(varied):
     model, tok = varied
     prompts, stops = chat_prompts(tok, 14), end_of_turn_ids(tok)
