@@ -329,7 +329,7 @@ def report(res: dict, shapes: list[str]) -> None:
                   f"| {p['wall_us_per_step']:.0f} |")  # fmt: skip
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
     ap.add_argument("--prompts", type=int, default=3)
@@ -358,7 +358,7 @@ def main() -> None:
     )
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU, float32")
     ap.add_argument("--out", default="evaluate.json")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     device = torch.device("cpu" if args.smoke else "cuda")
     dtype = torch.float32 if args.smoke else getattr(torch, args.dtype)
     if args.smoke:
@@ -377,6 +377,7 @@ def main() -> None:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
     report(res, args.shapes)
+    return res
 
 
 if __name__ == "__main__":
