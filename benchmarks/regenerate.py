@@ -29,6 +29,8 @@ tok/s may pass its whole-cache bound's share.
     python benchmarks/regenerate.py --smoke                                # CPU, tiny shapes, < 1 min
     python benchmarks/regenerate.py --shapes recipe --paths engine --refill-rows 16 64 256
                                                                            # sweep the refill rule
+    python benchmarks/regenerate.py --shapes recipe --paths engine --attention dense flex
+                                                        # each row's own KV blocks (flex) or not
     python benchmarks/regenerate.py --tiny-model --paths engine --pack-tokens 2048
                                   # CPU: the refill rule's figures at the real rows and lengths
 
@@ -61,7 +63,7 @@ from transformers import (
 )
 
 from dflashpipe import attention
-from dflashpipe.decoding.batched import BatchedEngine, Request
+from dflashpipe.decoding.batched import ATTENTIONS, BatchedEngine, Request
 from dflashpipe.decoding.hf_generate import generate_batch
 
 HERE = Path(__file__).resolve().parent
@@ -174,13 +176,14 @@ def timed(fn, device: torch.device) -> float:
 
 
 def bench_engine(model, shape: Shape, ps, lengths, pack: int | None = None,
-                 refill: int | None = None) -> dict:  # fmt: skip
+                 refill: int | None = None, attention: str = "dense") -> dict:  # fmt: skip
     """The engine over every request (after a warm-up call that compiles, and every graph
-    captured: `prepare`), then its step alone (idle rows). `pack` / `refill`: the engine's
-    pack_tokens / refill_rows (None: its defaults). Recompiling during the timed run fails
-    loudly."""
+    captured: `prepare`), then its step alone (idle rows). `pack` / `refill` / `attention`: the
+    engine's pack_tokens / refill_rows (None: its defaults) / attention. Recompiling during the
+    timed run fails loudly."""
     slots = max(map(len, ps)) + shape.max_new
-    engine = BatchedEngine(model, shape.rows, slots, pack_tokens=pack, refill_rows=refill)
+    engine = BatchedEngine(model, shape.rows, slots, pack_tokens=pack, refill_rows=refill,
+                           attention=attention)  # fmt: skip
     requests = [
         Request(str(i), p, None, n) for i, (p, n) in enumerate(zip(ps, lengths, strict=True))
     ]
@@ -200,7 +203,7 @@ def bench_engine(model, shape: Shape, ps, lengths, pack: int | None = None,
     row = {"path": "engine", "tok_s": sum(lengths) / wall, "bound_tok_s": shape.rows / bound,
            "step_ms": 1e3 * wall / steps, "step_alone_ms": 1e3 * step, "bound_ms": 1e3 * bound,
            "warmup_s": warm, "steps": steps, "slots": engine.capacity,
-           "pack_tokens": engine.pack, "refill_rows": engine.refill_rows,
+           "pack_tokens": engine.pack, "refill_rows": engine.refill_rows, "attention": attention,
            "active_share": sum(lengths) / (steps * shape.rows),  # rows that made a token
            "prefills": ran["prefills"], "pack_fill": ran["prompt_tokens"] / ran["prefill_tokens"],
            "span_share": ran["span_slots"] / (steps * engine.capacity),  # of the cache read
@@ -246,12 +249,13 @@ def compare(args, device: torch.device) -> list[dict]:
         cap = shape.width if shape.prompt is None else None
         ps = prompts(shape.requests, model.config.vocab_size, 0, lengths_file, shape.prompt, cap)
         lengths = answer_lengths(len(ps), shape.max_new, shape.real_stops, 1, args.answer_lengths)
-        cells = [("generate", None, None) if path == "generate" else ("engine", pack, refill)
+        cells = [("generate", None, None, None) if path == "generate"
+                 else ("engine", pack, refill, attn)
                  for path in args.paths for pack in args.pack_tokens
-                 for refill in args.refill_rows]  # fmt: skip
-        for path, pack, refill in dict.fromkeys(cells):
+                 for refill in args.refill_rows for attn in args.attention]  # fmt: skip
+        for path, pack, refill, attn in dict.fromkeys(cells):
             if path == "engine":
-                row = bench_engine(model, shape, ps, lengths, pack, refill)
+                row = bench_engine(model, shape, ps, lengths, pack, refill, attn)
             else:
                 row = bench_generate(model, shape, ps, lengths, args.generate_batches)
             row.update(shape=name, rows=shape.rows, tokens_per_answer=sum(lengths) / len(ps),
@@ -267,7 +271,7 @@ def compare(args, device: torch.device) -> list[dict]:
 
 
 def report(rows: list[dict]) -> None:
-    print(f"\n{'shape':<10}{'path':<12}{'rows':>6}{'pack':>6}{'refill':>7}{'tok/s':>10}"
+    print(f"\n{'shape':<10}{'path':<12}{'attn':>6}{'rows':>6}{'pack':>6}{'refill':>7}{'tok/s':>10}"
           f"{'bound':>10}{'share':>7}{'ms/step':>9}{'alone':>8}{'bound':>8}{'share':>7}"
           f"{'active':>7}{'prefills':>9}{'fill':>6}{'span':>6}")  # fmt: skip
     for r in rows:
@@ -276,7 +280,8 @@ def report(rows: list[dict]) -> None:
         def cell(key: str, fmt: str, width: int, r=r, engine=engine) -> str:
             return f"{r[key]:>{width}{fmt}}" if engine else f"{'-':>{width}}"
 
-        print(f"{r['shape']:<10}{r['path']:<12}{r['rows']:>6}{cell('pack_tokens', '', 6)}"
+        print(f"{r['shape']:<10}{r['path']:<12}{cell('attention', '', 6)}{r['rows']:>6}"
+              f"{cell('pack_tokens', '', 6)}"
               f"{cell('refill_rows', '', 7)}{r['tok_s']:>10.0f}{r['bound_tok_s']:>10.0f}"
               f"{r['tok_s_bound_share']:>7.0%}{r['step_ms']:>9.2f}{cell('step_alone_ms', '.2f', 8)}"
               f" {r['bound_ms']:>7.3g}{r['step_bound_share']:>7.0%}{cell('active_share', '.0%', 7)}"
@@ -369,6 +374,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     help="the engine's prefill pack lengths to sweep (default: its own)")  # fmt: skip
     ap.add_argument("--refill-rows", type=int, nargs="+", default=[None],
                     help="the engine's refill gathering (free rows) to sweep (default: its own)")  # fmt: skip
+    ap.add_argument("--attention", nargs="+", choices=ATTENTIONS, default=["dense"],
+                    help="the engine's decode attention(s) to compare (flex: per-row KV blocks)")  # fmt: skip
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes (the suite runs it)")
     ap.add_argument("--tiny-model", action="store_true",
                     help="CPU: the shapes' rows, prompts and answers on a 2-layer model; only the "

@@ -153,6 +153,40 @@ def test_the_compiled_step_decodes_as_the_eager_one_and_writes_the_cache_in_plac
                                 for c in code)  # fmt: skip
 
 
+@pytest.mark.parametrize("window", [None, 100])
+def test_flex_blocks_attend_as_the_dense_length_mask(window):
+    """Attention "flex" over 3 KV blocks: rows at the start, inside and at the end of a block,
+    with and without a window reaching back across a block boundary, equal the dense step's
+    masked attention over the whole cache (GQA: 6 query heads over 2 KV heads)."""
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+    from dflashpipe.decoding.batched import _KV_ONLY, FLEX_BLOCK, flex_blocks
+    from dflashpipe.decoding.families import windowed
+
+    g = torch.Generator().manual_seed(0)
+    C, length = 3 * FLEX_BLOCK, torch.tensor([0, 5, 127, 128, 200, 383])
+    q = torch.randn(6, 6, 1, 16, generator=g)
+    k, v = (torch.randn(6, 2, C, 16, generator=g) for _ in range(2))
+    num, indices, w = flex_blocks(length, C, window)
+    assert w == window and num.flatten().tolist() == (
+        [1, 1, 1, 2, 2, 3] if window is None else [1, 1, 1, 2, 2, 1])  # fmt: skip
+
+    def keep(b, h, q_idx, kv_idx):
+        ok = kv_idx <= length[b]
+        return ok if window is None else ok & (length[b] - kv_idx < window)
+
+    mask = BlockMask.from_kv_blocks(num, indices, BLOCK_SIZE=FLEX_BLOCK, mask_mod=keep,
+                                    seq_lengths=(1, C), **_KV_ONLY)  # fmt: skip
+    got = flex_attention(q, k, v, block_mask=mask, scale=0.25, enable_gqa=True)
+    cols = torch.arange(C)
+    full = (cols[None] <= length[:, None])[:, None]  # (R, 1, C), as decode_inputs builds it
+    dense = windowed(full, length[:, None], cols[None], window)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q, k.repeat_interleave(3, 1), v.repeat_interleave(3, 1), attn_mask=dense[:, None],
+        scale=0.25)  # fmt: skip
+    torch.testing.assert_close(got, want)
+
+
 def test_sampled_answers_do_not_depend_on_rows_runs_or_resume(varied):
     model, tok = varied
     prompts, stops = chat_prompts(tok, 14), end_of_turn_ids(tok)

@@ -158,6 +158,15 @@ def test_batched_engine_equals_generate(target, prompts):
     got = {a.index: (a.tokens, a.finish) for a in engine.generate(requests, NEW, stops)}
     assert [got[i] for i in range(len(prompts))] == [tuple(e) for e in expected]
     assert engine.stats["prefills"] >= 2  # rows were refilled
+    # attention "flex": each row reads its own KV blocks (its window's, on sliding layers)
+    if model.config.model_type == "gpt_oss":
+        with pytest.raises(ValueError, match=r"'flex' does not take sink logits \(gpt_oss\)"):
+            BatchedEngine(model, rows=2, capacity=MAX_LEN, attention="flex")
+        return
+    flex = BatchedEngine(model, rows=2, capacity=MAX_LEN, attention="flex")
+    assert flex.capacity % 128 == 0 and flex.spans == [flex.capacity]
+    got = {a.index: (a.tokens, a.finish) for a in flex.generate(requests, NEW, stops)}
+    assert [got[i] for i in range(len(prompts))] == [tuple(e) for e in expected]
 
 
 def _gen(max_new: int):

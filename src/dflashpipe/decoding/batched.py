@@ -18,7 +18,10 @@ positions 0..length-1, so nothing depends on the slot a request lands in or on i
 over the first `span` slots of every row under a length mask (a windowed layer's also drops what
 lies past its window): the shortest of the capacity's quarters that holds every busy row's
 filled slots, one captured graph per span (`span_lengths`), so the cache it reads follows how
-full the rows are rather than the longest prompt + max_new_tokens.
+full the rows are rather than the longest prompt + max_new_tokens. With `attention="flex"` each
+row reads only its own KV blocks instead (flex_attention over a per-row block table built in the
+step: `flex_blocks`); not for sink logits or score soft-capping. Which is faster on a GPU is
+benchmarks/regenerate.py's `--attention dense flex`.
 
 Refills are gathered: freed rows wait until the next prompts fill a pack (`default_pack`: where a
 pack's dense attention costs what its linear layers do), or `refill_rows` rows are free, or
@@ -35,6 +38,7 @@ only sync (refills add host-to-device copies only).
 from __future__ import annotations
 
 import bisect
+import inspect
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -42,8 +46,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from torch import Tensor, nn
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from dflashpipe.decoding.families import (
+    attention_extras,
     check_target,
     final_softcap,
     fold_mask,
@@ -66,6 +72,8 @@ MIN_PACK = 64  # the shortest prefill pack
 PACK_MASK_BYTES = 1 << 28  # a pack's folded bool mask (groups x T x T) at most
 REFILL_SHARE = 16  # by default refills wait for rows / REFILL_SHARE free rows at most
 MAX_STOPS = 32  # stop ids a call may give (a fixed-size buffer the step reads)
+FLEX_BLOCK = 128  # KV block of attention "flex": a step reads each row's blocks up to its length
+ATTENTIONS = ("dense", "flex")
 
 
 @dataclass(frozen=True)
@@ -88,19 +96,23 @@ class Answer:
 
 def decode_inputs(
     embed: nn.Module, tables: list[tuple[Tensor, Tensor]], cols: Tensor, token: Tensor,
-    length: Tensor, windows: list[int | None], groups: int,
-) -> tuple[Tensor, list[tuple[Tensor, Tensor]], tuple[Tensor, Tensor], list[Tensor]]:  # fmt: skip
+    length: Tensor, windows: list[int | None], groups: int, flex: bool = False,
+) -> tuple[Tensor, list[tuple[Tensor, Tensor]], tuple[Tensor, Tensor], list]:  # fmt: skip
     """A decode step's inputs to its layers: embeddings (R, H) of each row's input token at
     position = slot = length (R,), per RoPE table (C, D) its rows (R, 1, 1, D), where its K/V go
     (rows 0..R-1, slots `length`), and per entry of `windows` the folded mask (R, 1, g, C) the
-    layers of that window share: the row's committed slots and its new one (within the window)."""
+    layers of that window share: the row's committed slots and its new one (within the window).
+    `flex`: per window the KV blocks each row reads instead (`flex_blocks`)."""
     R = token.shape[0]
-    full = (cols[None] <= length[:, None])[:, None]  # (R, 1, C): one query per row
-    masks = [windowed(full, length[:, None], cols[None], w)[:, None].expand(R, 1, groups, -1)
-             for w in windows]  # (R, 1, g, C) each  # fmt: skip
     # an idle row may rest past a short span: it writes the span's last slot (its slots are
     # refilled before they are read); a busy row's length is always within the span
     index = (torch.arange(R, device=token.device), length.clamp(max=cols.shape[0] - 1))
+    if flex:
+        masks = [flex_blocks(index[1], cols.shape[0], w) for w in windows]
+    else:
+        full = (cols[None] <= length[:, None])[:, None]  # (R, 1, C): one query per row
+        masks = [windowed(full, length[:, None], cols[None], w)[:, None].expand(R, 1, groups, -1)
+                 for w in windows]  # (R, 1, g, C) each  # fmt: skip
     ropes = [(cos[length][:, None, None], sin[length][:, None, None]) for cos, sin in tables]
     return embed(token), ropes, index, masks
 
@@ -120,6 +132,49 @@ def decode_layer(
     k_cache[rows, :, slots] = rotate(k[:, :, None], cos, sin)[:, :, 0]  # (R, Hkv, D)
     v_cache[rows, :, slots] = v
     y = layer_attention(layer, q, k_cache, v_cache, mask)  # (R, Hq, 1, D)
+    return layer_out(layer, x, y.flatten(1), fused)
+
+
+def flex_blocks(length: Tensor, capacity: int, window: int | None) -> tuple:
+    """The KV blocks of FLEX_BLOCK slots each row's query reads: from the block of its window's
+    first slot (0 without a window) to the block of `length` (R,), as flex_attention's
+    (num (R, 1, 1), indices (R, 1, 1, blocks)); and the window, for the mask inside blocks."""
+    blocks = capacity // FLEX_BLOCK
+    last = length // FLEX_BLOCK
+    first = torch.zeros_like(last) if window is None else (length - window + 1).clamp(min=0)
+    first = first // FLEX_BLOCK
+    indices = (first[:, None] + torch.arange(blocks, device=length.device)).clamp(max=blocks - 1)
+    return (last - first + 1).int()[:, None, None], indices.int()[:, None, None], window
+
+
+_KV_ONLY = (  # no query-block tables: decoding has no backward pass
+    {"compute_q_blocks": False}
+    if "compute_q_blocks" in inspect.signature(BlockMask.from_kv_blocks).parameters
+    else {}
+)
+
+
+def decode_layer_flex(
+    layer: nn.Module, x: Tensor, k_cache: Tensor, v_cache: Tensor, cos: Tensor, sin: Tensor,
+    index: tuple[Tensor, Tensor], blocks: tuple, fused: tuple,
+) -> Tensor:  # fmt: skip
+    """`decode_layer` with flex_attention over each row's own blocks (`flex_blocks`): a row reads
+    the KV its length (and window) reaches, not the whole span; GQA in the kernel."""
+    rows, slots = index
+    q, k, v = layer_qkv(layer, x, fused)  # (R, Hq, D), (R, Hkv, D)
+    q = rotate(q[:, :, None], cos, sin)  # (R, Hq, 1, D)
+    k_cache[rows, :, slots] = rotate(k[:, :, None], cos, sin)[:, :, 0]  # (R, Hkv, D)
+    v_cache[rows, :, slots] = v
+    num, indices, window = blocks
+
+    def keep(b, h, q_idx, kv_idx):  # the row's committed slots and its new one, in its window
+        ok = kv_idx <= slots[b]
+        return ok if window is None else ok & (slots[b] - kv_idx < window)
+
+    mask = BlockMask.from_kv_blocks(num, indices, BLOCK_SIZE=FLEX_BLOCK, mask_mod=keep,
+                                    seq_lengths=(1, k_cache.shape[2]), **_KV_ONLY)  # fmt: skip
+    y = flex_attention(q, k_cache, v_cache, block_mask=mask, scale=layer.self_attn.scaling,
+                       enable_gqa=True)  # fmt: skip
     return layer_out(layer, x, y.flatten(1), fused)
 
 
@@ -241,9 +296,17 @@ class BatchedEngine:
         self, model: nn.Module, rows: int, capacity: int, graphs: bool | None = None,
         compile: bool | None = None, memory_budget: int | None = None,
         pack_tokens: int | None = None, refill_rows: int | None = None,
+        attention: str = "dense",
     ):  # fmt: skip
         check_target(model)
-        self.capacity = -(-capacity // CAPACITY_ALIGN) * CAPACITY_ALIGN
+        if attention not in ATTENTIONS:
+            raise ValueError(f"attention is {attention!r}: expected one of {ATTENTIONS}")
+        if attention == "flex" and attention_extras(model):
+            raise ValueError(f"attention 'flex' does not take {attention_extras(model)} "
+                             f"({model.config.model_type}): use 'dense'")  # fmt: skip
+        self.attention = attention
+        align = FLEX_BLOCK if attention == "flex" else CAPACITY_ALIGN
+        self.capacity = -(-capacity // align) * align
         check_fit(model, rows, self.capacity, memory_budget)
         self.model, self.base, self.rows = model, model.get_decoder(), rows
         weight = self.base.embed_tokens.weight
@@ -265,7 +328,8 @@ class BatchedEngine:
         self.refill_rows = refill_rows or max(1, rows // REFILL_SHARE)
         if not 1 <= self.refill_rows <= rows:
             raise ValueError(f"refill_rows is {refill_rows}: expected 1..{rows} (the rows)")
-        self.layer = compiled(decode_layer, self.compiled)
+        flex = attention == "flex"
+        self.layer = compiled(decode_layer_flex if flex else decode_layer, self.compiled)
         self.inputs = compiled(decode_inputs, self.compiled)
         self.cols = torch.arange(self.capacity, device=self.device)  # (C,)
         # the model's own rotary embedding over every slot (per RoPE kind), as StaticTarget
@@ -287,7 +351,8 @@ class BatchedEngine:
             "packed": torch.zeros(3, rows, **long),  # [emitted, token, done]: the read-back
         }
         self.stops = torch.full((MAX_STOPS,), -1, **long)  # the call's stop ids; -1 pads
-        self.spans = span_lengths(self.capacity)
+        # flex reads each row's own blocks: one span, the whole cache
+        self.spans = [self.capacity] if flex else span_lengths(self.capacity)
         self._prompt = np.zeros(rows, dtype=np.int64)  # per row: its prompt's length; 0: free
         self._choosers: dict[Sampling | None, Callable] = {}
         self._steps: dict[tuple, Callable] = {}
@@ -406,7 +471,7 @@ class BatchedEngine:
             def step() -> None:
                 x, ropes, index, masks = self.inputs(b.embed_tokens, self.tables, cols,
                                                      s["token"], s["length"], self.windows,
-                                                     self.groups)  # fmt: skip
+                                                     self.groups, self.attention == "flex")  # fmt: skip
                 for i, layer in enumerate(b.layers):
                     cos, sin = ropes[self.rope_of[i]]
                     x = self.layer(layer, x, k[i], v[i], cos, sin, index, masks[self.mask_of[i]],

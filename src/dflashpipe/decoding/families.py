@@ -314,6 +314,16 @@ def layer_attention(layer: nn.Module, q: Tensor, k: Tensor, v: Tensor, mask: Ten
     return attend_cache(q, k, v, mask, attn.scaling, sinks, softcap)
 
 
+def attention_extras(model: nn.Module) -> str:
+    """What a target's attention adds to a plain scaled softmax that `layer_attention` computes
+    ("sink logits", "score soft-capping"); "" when nothing."""
+    attn = model.get_decoder().layers[0].self_attn
+    extras = [name for name, attr in (("sink logits", "sinks"),
+                                      ("score soft-capping", "attn_logit_softcapping"))
+              if getattr(attn, attr, None) is not None]  # fmt: skip
+    return " and ".join(extras)
+
+
 def layer_out(layer: nn.Module, x: Tensor, y: Tensor, fused: Fused) -> Tensor:
     """The rest of a target decoder layer: rows x (..., H) plus the output projection of their
     attention y (..., Hq*D), then the residual MLP; Gemma 3 norms the attention output and the
