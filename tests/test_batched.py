@@ -130,8 +130,8 @@ def test_a_step_attends_over_the_shortest_span_that_holds_its_busy_rows(varied):
 
 
 def test_the_compiled_step_decodes_as_the_eager_one_and_writes_the_cache_in_place(varied):
-    """The step's functions compiled (as on a GPU, where graphs capture them): the same greedy
-    answers, and Inductor's code writes each step's K/V into the cache itself. A write it could
+    """The step's functions compiled (as on a GPU, where graphs capture them), dense and flex:
+    the same greedy answers, and Inductor's code writes each step's K/V into the cache itself. A write it could
     not keep in place (a scatter_ into the cache view did this) allocates a buffer of the
     cache's shape and copies all of it, twice per layer and step (H200: 70% of the step)."""
     from torch._inductor.utils import run_and_get_code
@@ -151,6 +151,9 @@ def test_the_compiled_step_decodes_as_the_eager_one_and_writes_the_cache_in_plac
     for span in compiled.spans:  # (rows, kv_heads, span, head_dim): the cache view a step reads
         assert code and not any(f"empty_strided_cpu({(3, kv_heads, span, head_dim)}" in c
                                 for c in code)  # fmt: skip
+    # attention "flex" compiles whole (its block mask built inside the compiled layer) as well
+    flex = BatchedEngine(model, rows=3, capacity=32, compile=True, attention="flex")
+    assert decode(flex, prompts, 8, {0}) == want
 
 
 @pytest.mark.parametrize("window", [None, 100])
