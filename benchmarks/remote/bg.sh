@@ -4,7 +4,8 @@
 # (or of the run its overlay's `# from:` line names) that its `# reuse:` line shares has finished
 # (none: at once), and the files of other runs its `# wait:` line names (relative to its work
 # directory) exist. /tmp/q/ALLDONE marks the end. QUALITY_EXTRA=FILE adds one more config file on top of every run's (e.g. other sizes);
-# MAIN_TARGET=extract stops main at its features (when only a variant's drafter is wanted).
+# MAIN_TARGET=extract stops main at its features (when only a variant's drafter is wanted);
+# MAIN_TARGET=none runs no main (variants on another recipe: MAIN_TARGET=none bg.sh gemma3).
 # Answers kept from an earlier machine (mon.sh KEEP=..., carried as .remote/k*/ and gathered by
 # setup.sh in /tmp/xfer) are restored into their runs first (quality.py --restore).
 # After those: ALONE="betas999 ..." runs each listed variant on to `all`, one at a time with
@@ -19,7 +20,9 @@
 cd "$(dirname "$0")/../.." && . benchmarks/remote/setup.sh >/dev/null
 mkdir -p /tmp/q
 EXTRA="${QUALITY_EXTRA:+--configfile $QUALITY_EXTRA} --restore /tmp/xfer"
-python3 benchmarks/quality.py main --runs /tmp/runs --target ${MAIN_TARGET:-all} $EXTRA > /tmp/q/main.out 2>&1 &
+if [ "${MAIN_TARGET:-all}" != none ]; then
+  python3 benchmarks/quality.py main --runs /tmp/runs --target ${MAIN_TARGET:-all} $EXTRA > /tmp/q/main.out 2>&1 &
+fi
 for spec in "$@"; do   # VARIANT or VARIANT:TARGET (e.g. block16:train: no evaluate)
   v=${spec%%:*}; target=all; [[ $spec == *:* ]] && target=${spec#*:}
   reuse=" $(sed -n 's/^# reuse://p' benchmarks/quality/$v.yaml) "
