@@ -146,6 +146,22 @@ def test_the_families_have_what_the_matrix_tests(target):
         assert model.model.layers[0].self_attn.sinks.abs().sum() > 0
 
 
+@pytest.mark.parametrize("learned_mask", [False, True])
+def test_the_drafter_embeds_its_block_as_the_target_does(target, learned_mask):
+    """A serving engine embeds the drafter's block with the target's input embedding module
+    (SGLang: get_input_embeddings()(block_ids)), Gemma 3's sqrt(hidden) scale included: the
+    drafter trains and decodes on exactly that, a learned mask row starting from it."""
+    model, _ = target
+    config = DrafterConfig.from_target(model.config, mask_token_id=1, num_layers=1,
+                                       block_size=BLOCK, target_layer_ids=TAPS,
+                                       learned_mask_embedding=learned_mask)  # fmt: skip
+    d = Drafter.from_target_model(config, model)
+    ids = torch.tensor([[5, 1, 1, 1], [7, 1, 1, 1]])
+    torch.testing.assert_close(d.embed_blocks(ids), model.get_input_embeddings()(ids))
+    scaled = model.config.model_type == "gemma3_text"
+    assert d.embed_scale == (pytest.approx(model.config.hidden_size**0.5) if scaled else 1.0)
+
+
 def test_batched_engine_equals_generate(target, prompts):
     """Regenerate's engine: 5 prompts through 2 row slots (refills), greedy, answers past the
     window; generate() on left-padded batches with the family's own sliding caches."""

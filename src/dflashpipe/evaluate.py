@@ -47,7 +47,7 @@ from dflashpipe.decoding.summary import best_per_source, summarize
 from dflashpipe.decoding.types import Decoded
 from dflashpipe.errors import ConfigError, DataError
 from dflashpipe.export import CONFIG_NAME, config_from_dict, load_drafter
-from dflashpipe.model import DrafterConfig
+from dflashpipe.model import DrafterConfig, input_embedding_scale
 from dflashpipe.storage import write_json
 
 log = logging.getLogger(__name__)
@@ -152,7 +152,8 @@ def load_models(target_cfg: TargetConfig, drafter_dir: str | Path, device: torch
     check_fit(drafter_cfg, model.config, str(Path(drafter_dir) / CONFIG_NAME))
     embed = model.get_input_embeddings().weight
     head = model.get_output_embeddings()
-    drafter = load_drafter(drafter_dir, embed, embed if head is None else head.weight, device)
+    drafter = load_drafter(drafter_dir, embed, embed if head is None else head.weight, device,
+                           input_embedding_scale(model))  # fmt: skip
     return model, tok, drafter.to(model.dtype).eval()
 
 

@@ -152,8 +152,10 @@ def load_drafter(
     embed_weight: Tensor,
     lm_head_weight: Tensor,
     device: torch.device | str | None = None,
+    embed_scale: float = 1.0,
 ) -> Drafter:
-    """Rebuild an exported drafter around the target's embedding and LM head (in saved dtype)."""
+    """Rebuild an exported drafter around the target's embedding (and its scale:
+    model.input_embedding_scale) and LM head, in the saved dtype."""
     path = Path(path)
     config_file, weights_file = path / CONFIG_NAME, path / WEIGHTS_NAME
     for f in (config_file, weights_file):
@@ -163,7 +165,7 @@ def load_drafter(
             )
     config = config_from_dict(json.loads(config_file.read_text(encoding="utf-8")), str(config_file))
     tensors = load_file(str(weights_file), device=str(device or "cpu"))
-    drafter = Drafter(config, embed_weight, lm_head_weight)
+    drafter = Drafter(config, embed_weight, lm_head_weight, embed_scale)
     drafter.to(device=device, dtype=next(iter(tensors.values())).dtype)
     missing, unexpected = drafter.load_state_dict(tensors, strict=False)
     missing = [k for k in missing if not k.startswith(FROZEN_PREFIXES)]

@@ -283,10 +283,21 @@ class DecoderLayer(nn.Module):
         return nn.functional.dropout(h, self.dropout, self.training) if self.dropout else h
 
 
-class Drafter(nn.Module):
-    """The DFlash drafter over one packed stream; embedding and LM head are the target's, frozen."""
+def input_embedding_scale(target: nn.Module) -> float:
+    """What the target's input embedding multiplies its rows by: sqrt(hidden) for Gemma (its
+    scaled embedding module), else 1. Serving engines embed the drafter's block with that same
+    module (SGLang: `get_input_embeddings()(block_ids)`), so the drafter trains on what it gets."""
+    module = target.get_input_embeddings()
+    scale = getattr(module, "scalar_embed_scale", getattr(module, "embed_scale", 1.0))
+    return float(scale)
 
-    def __init__(self, config: DrafterConfig, embed_weight: Tensor, lm_head_weight: Tensor):
+
+class Drafter(nn.Module):
+    """The DFlash drafter over one packed stream; embedding and LM head are the target's, frozen.
+    `embed_scale`: the target's input embedding scale (`input_embedding_scale`)."""
+
+    def __init__(self, config: DrafterConfig, embed_weight: Tensor, lm_head_weight: Tensor,
+                 embed_scale: float = 1.0):  # fmt: skip
         super().__init__()
         V, H = config.vocab_size, config.hidden_size
         for name, w in (("embed_weight", embed_weight), ("lm_head_weight", lm_head_weight)):
@@ -294,6 +305,7 @@ class Drafter(nn.Module):
                 raise ValueError(f"target {name} has shape {tuple(w.shape)}, expected {(V, H)}")
         self.config = config
         self.embed_tokens = nn.Embedding.from_pretrained(embed_weight, freeze=True)
+        self.embed_scale = embed_scale
         self.lm_head = nn.Linear(H, V, bias=False)
         self.lm_head.weight = nn.Parameter(lm_head_weight, requires_grad=False)
         n_taps = len(config.target_layer_ids)
@@ -305,7 +317,7 @@ class Drafter(nn.Module):
         self.rotary_emb = RotaryEmbedding(qwen3)
         if config.learned_mask_embedding:
             # Starts as the target's mask row, so the opt-in changes nothing at step 0.
-            row = embed_weight[config.mask_token_id].detach().clone()
+            row = embed_weight[config.mask_token_id].detach() * embed_scale
             self.mask_embedding = nn.Parameter(row.to(self.fc.weight.dtype))
         self.reset_parameters()
 
@@ -314,7 +326,8 @@ class Drafter(nn.Module):
         """Take embedding and LM head from a loaded HF target model (shared, not copied)."""
         embed = target.get_input_embeddings().weight.detach()
         head = target.get_output_embeddings()
-        return cls(config, embed, (head.weight if head is not None else embed).detach())
+        return cls(config, embed, (head.weight if head is not None else embed).detach(),
+                   input_embedding_scale(target))  # fmt: skip
 
     def reset_parameters(self) -> None:
         # HF Qwen3 initialization: normal(0, 0.02) linear weights, unit norm weights.
@@ -329,8 +342,12 @@ class Drafter(nn.Module):
         return {k: v for k, v in self.state_dict().items() if not k.startswith(FROZEN_PREFIXES)}
 
     def embed_blocks(self, block_ids: Tensor) -> Tensor:
-        """(A, B) token ids, slot 0 = x_a, others = mask token -> (A, B, H) block inputs."""
-        x = self.embed_tokens(block_ids).to(self.fc.weight.dtype)  # (A, B, H)
+        """(A, B) token ids, slot 0 = x_a, others = mask token -> (A, B, H) block inputs: the
+        target's input embedding of them (its scale in its dtype, as HF and SGLang apply it)."""
+        x = self.embed_tokens(block_ids)  # (A, B, H)
+        if self.embed_scale != 1.0:
+            x = x * torch.tensor(self.embed_scale, dtype=x.dtype, device=x.device)
+        x = x.to(self.fc.weight.dtype)
         if self.config.learned_mask_embedding:
             is_mask = (torch.arange(block_ids.shape[1], device=x.device) > 0)[None, :, None]
             x = torch.where(is_mask, self.mask_embedding.to(x.dtype), x)
