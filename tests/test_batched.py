@@ -163,7 +163,7 @@ def test_flex_blocks_attend_as_the_dense_length_mask(window):
     masked attention over the whole cache (GQA: 6 query heads over 2 KV heads)."""
     from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-    from dflashpipe.decoding.batched import _KV_ONLY, FLEX_BLOCK, flex_blocks
+    from dflashpipe.decoding.batched_step import _KV_ONLY, FLEX_BLOCK, flex_blocks
     from dflashpipe.decoding.families import windowed
 
     g = torch.Generator().manual_seed(0)

@@ -15,6 +15,9 @@
     summary         metrics.json's figures from the responses (tau, speed, losslessness)
     batched         BatchedEngine: regenerate's continuous batching, R rows over a static cache,
                     one captured decode step, finished rows refilled by gathered, packed prefills
+    batched_step    its device work and shapes: decode inputs and layers (dense over a span, or
+                    flex over each row's KV blocks), prefill packs, the token step; pack and
+                    span sizes
     sampling        the batched engine's draws: per-answer seeded uniforms, temperature/top-k/p
     memory          what the batched engine's buffers take against the device's free memory
     hf_generate     transformers' generate() on padded batches: regenerate's fallback path
@@ -25,7 +28,7 @@
                         ├─► eager ──► dflashpipe.taps (the same taps as extract)
                         └─► lookup
     evaluate ─► summary
-    regenerate ─┬─► batched ──► families, static_models, sampling, memory
+    regenerate ─┬─► batched ──► batched_step, families, static_models, sampling, memory
                 └─► hf_generate (families the static models do not cover)
     engine, ddtree, eager, lookup, runner, summary ──► types
 

@@ -38,7 +38,6 @@ only sync (refills add host-to-device copies only).
 from __future__ import annotations
 
 import bisect
-import inspect
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -46,8 +45,18 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from torch import Tensor, nn
-from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
+from dflashpipe.decoding.batched_step import (
+    FLEX_BLOCK,
+    advance,
+    decode_inputs,
+    decode_layer,
+    decode_layer_flex,
+    default_pack,
+    pack_lengths,
+    prefill_layer,
+    span_lengths,
+)
 from dflashpipe.decoding.families import (
     attention_extras,
     check_target,
@@ -56,23 +65,16 @@ from dflashpipe.decoding.families import (
     fuse_layer,
     graph_safe_experts,
     head_shape,
-    layer_attention,
-    layer_out,
-    layer_qkv,
     layer_windows,
     rope_tables,
-    rotate,
     windowed,
 )
 from dflashpipe.decoding.memory import check_fit
-from dflashpipe.decoding.sampling import Sampling, draw
+from dflashpipe.decoding.sampling import Sampling
 from dflashpipe.decoding.static_models import CAPACITY_ALIGN, capture, compiled, kv_buffer
 
-MIN_PACK = 64  # the shortest prefill pack
-PACK_MASK_BYTES = 1 << 28  # a pack's folded bool mask (groups x T x T) at most
 REFILL_SHARE = 16  # by default refills wait for rows / REFILL_SHARE free rows at most
 MAX_STOPS = 32  # stop ids a call may give (a fixed-size buffer the step reads)
-FLEX_BLOCK = 128  # KV block of attention "flex": a step reads each row's blocks up to its length
 ATTENTIONS = ("dense", "flex")
 
 
@@ -92,167 +94,6 @@ class Answer:
     index: int  # of the request in the call
     tokens: list[int]  # the new tokens, a stop token included
     finish: str  # "stop" (a stop token) or "length" (max_new_tokens)
-
-
-def decode_inputs(
-    embed: nn.Module, tables: list[tuple[Tensor, Tensor]], cols: Tensor, token: Tensor,
-    length: Tensor, windows: list[int | None], groups: int, flex: bool = False,
-) -> tuple[Tensor, list[tuple[Tensor, Tensor]], tuple[Tensor, Tensor], list]:  # fmt: skip
-    """A decode step's inputs to its layers: embeddings (R, H) of each row's input token at
-    position = slot = length (R,), per RoPE table (C, D) its rows (R, 1, 1, D), where its K/V go
-    (rows 0..R-1, slots `length`), and per entry of `windows` the folded mask (R, 1, g, C) the
-    layers of that window share: the row's committed slots and its new one (within the window).
-    `flex`: per window the KV blocks each row reads instead (`flex_blocks`)."""
-    R = token.shape[0]
-    # an idle row may rest past a short span: it writes the span's last slot (its slots are
-    # refilled before they are read); a busy row's length is always within the span
-    index = (torch.arange(R, device=token.device), length.clamp(max=cols.shape[0] - 1))
-    if flex:
-        masks = [flex_blocks(index[1], cols.shape[0], w) for w in windows]
-    else:
-        full = (cols[None] <= length[:, None])[:, None]  # (R, 1, C): one query per row
-        masks = [windowed(full, length[:, None], cols[None], w)[:, None].expand(R, 1, groups, -1)
-                 for w in windows]  # (R, 1, g, C) each  # fmt: skip
-    ropes = [(cos[length][:, None, None], sin[length][:, None, None]) for cos, sin in tables]
-    return embed(token), ropes, index, masks
-
-
-def decode_layer(
-    layer: nn.Module, x: Tensor, k_cache: Tensor, v_cache: Tensor, cos: Tensor, sin: Tensor,
-    index: tuple[Tensor, Tensor], mask: Tensor, fused: tuple,
-) -> Tensor:  # fmt: skip
-    """One decoder layer over one new token per row, x (R, H): each row's K/V written at its own
-    slot (index: rows, slots) of its row of the buffers (R, Hkv, C, D), attention over that row
-    only. The write is an index_put_ of R x Hkv vectors, which the compiler keeps in place; a
-    scatter_ into the buffer view made it copy the whole buffer, twice per layer and step
-    (H200 profile: 70% of the step, benchmarks/RESULTS.md)."""
-    rows, slots = index
-    q, k, v = layer_qkv(layer, x, fused)  # (R, Hq, D), (R, Hkv, D)
-    q = rotate(q[:, :, None], cos, sin)  # (R, Hq, 1, D)
-    k_cache[rows, :, slots] = rotate(k[:, :, None], cos, sin)[:, :, 0]  # (R, Hkv, D)
-    v_cache[rows, :, slots] = v
-    y = layer_attention(layer, q, k_cache, v_cache, mask)  # (R, Hq, 1, D)
-    return layer_out(layer, x, y.flatten(1), fused)
-
-
-def flex_blocks(length: Tensor, capacity: int, window: int | None) -> tuple:
-    """The KV blocks of FLEX_BLOCK slots each row's query reads: from the block of its window's
-    first slot (0 without a window) to the block of `length` (R,), as flex_attention's
-    (num (R, 1, 1), indices (R, 1, 1, blocks)); and the window, for the mask inside blocks."""
-    blocks = capacity // FLEX_BLOCK
-    last = length // FLEX_BLOCK
-    first = torch.zeros_like(last) if window is None else (length - window + 1).clamp(min=0)
-    first = first // FLEX_BLOCK
-    indices = (first[:, None] + torch.arange(blocks, device=length.device)).clamp(max=blocks - 1)
-    return (last - first + 1).int()[:, None, None], indices.int()[:, None, None], window
-
-
-_KV_ONLY = (  # no query-block tables: decoding has no backward pass
-    {"compute_q_blocks": False}
-    if "compute_q_blocks" in inspect.signature(BlockMask.from_kv_blocks).parameters
-    else {}
-)
-
-
-def decode_layer_flex(
-    layer: nn.Module, x: Tensor, k_cache: Tensor, v_cache: Tensor, cos: Tensor, sin: Tensor,
-    index: tuple[Tensor, Tensor], blocks: tuple, fused: tuple,
-) -> Tensor:  # fmt: skip
-    """`decode_layer` with flex_attention over each row's own blocks (`flex_blocks`): a row reads
-    the KV its length (and window) reaches, not the whole span; GQA in the kernel."""
-    rows, slots = index
-    q, k, v = layer_qkv(layer, x, fused)  # (R, Hq, D), (R, Hkv, D)
-    q = rotate(q[:, :, None], cos, sin)  # (R, Hq, 1, D)
-    k_cache[rows, :, slots] = rotate(k[:, :, None], cos, sin)[:, :, 0]  # (R, Hkv, D)
-    v_cache[rows, :, slots] = v
-    num, indices, window = blocks
-
-    def keep(b, h, q_idx, kv_idx):  # the row's committed slots and its new one, in its window
-        ok = kv_idx <= slots[b]
-        return ok if window is None else ok & (slots[b] - kv_idx < window)
-
-    mask = BlockMask.from_kv_blocks(num, indices, BLOCK_SIZE=FLEX_BLOCK, mask_mod=keep,
-                                    seq_lengths=(1, k_cache.shape[2]), **_KV_ONLY)  # fmt: skip
-    y = flex_attention(q, k_cache, v_cache, block_mask=mask, scale=layer.self_attn.scaling,
-                       enable_gqa=True)  # fmt: skip
-    return layer_out(layer, x, y.flatten(1), fused)
-
-
-def prefill_layer(
-    layer: nn.Module, x: Tensor, k_cache: Tensor, v_cache: Tensor, cos: Tensor, sin: Tensor,
-    index: tuple[Tensor, Tensor], mask: Tensor, fused: tuple,
-) -> Tensor:  # fmt: skip
-    """One decoder layer over a pack x (1, T, H) of whole prompts at RoPE rows cos/sin (T, D) of
-    their positions: token t's K/V written at (row, slot) = index[t] of the buffers (rows,
-    Hkv, C, D), attention among the pack's tokens under its folded block-causal mask (a refilled
-    row has no prefix)."""
-    rows, slots = index
-    q, k, v = layer_qkv(layer, x, fused)  # (1, T, Hq, D), (1, T, Hkv, D)
-    q = rotate(q.transpose(1, 2), cos, sin)  # (1, Hq, T, D)
-    k = rotate(k.transpose(1, 2), cos, sin)  # (1, Hkv, T, D)
-    v = v.transpose(1, 2)  # (1, Hkv, T, D)
-    k_cache[rows, :, slots] = k[0].transpose(0, 1)  # (T, Hkv, D)
-    v_cache[rows, :, slots] = v[0].transpose(0, 1)
-    y = layer_attention(layer, q, k, v, mask)  # (1, Hq, T, D)
-    return layer_out(layer, x, y.transpose(1, 2).flatten(2), fused)
-
-
-def advance(
-    norm: nn.Module, lm_head: nn.Module, x: Tensor, state: dict[str, Tensor], stops: Tensor,
-    sampling: Sampling | None, softcap: float | None = None,
-) -> None:  # fmt: skip
-    """The step's tokens from the last layer's rows x (R, H) and every row's state, in place:
-    active rows take their token (the argmax, or `draw` for sampled rows when `sampling`),
-    length and produced += 1, done = a stop token or the row's limit reached; packed (3, R) =
-    [emitted, token, done], the step's read-back."""
-    s = state
-    logits = lm_head(norm(x)).float()  # (R, V)
-    if softcap is not None:  # Gemma's final logit soft-capping
-        logits = torch.tanh(logits / softcap) * softcap
-    token = logits.argmax(-1)  # (R,)
-    if sampling is not None:
-        t = s["produced"].clamp(max=s["uniforms"].shape[1] - 1)[:, None]  # (R, 1)
-        drawn = draw(logits, s["uniforms"].gather(1, t)[:, 0], sampling)  # (R,)
-        token = torch.where(s["sampled"], drawn, token)
-    active = s["active"].clone()  # (R,) bool
-    step = active.long()  # (R,)
-    s["produced"].add_(step)
-    s["length"].add_(step)
-    done = active & ((token[:, None] == stops[None]).any(-1) | (s["produced"] >= s["limit"]))
-    s["packed"].copy_(torch.stack([step, token, done.long()]))  # (3, R)
-    s["token"].copy_(torch.where(active, token, s["token"]))
-    s["active"].copy_(active & ~done)
-
-
-def default_pack(model: nn.Module) -> int:
-    """The default prefill pack length: the largest power of two at which the pack's dense
-    attention (4 x T x Hq x D flops per token and layer) costs at most what its linear layers do
-    (2 x the decoder layers' weights per token), within PACK_MASK_BYTES of mask (the engine
-    raises it to its capacity: every prompt fits one pack). SmolLM2-135M: 2,048; Qwen3-8B:
-    8,192 (the mask's bound)."""
-    heads, kv_heads, head_dim = head_shape(model.config)
-    layers = model.get_decoder().layers
-    weights = sum(p.numel() for p in layers.parameters())
-    even = weights // (2 * heads * head_dim * len(layers))  # attention flops = linear flops
-    fits = int((PACK_MASK_BYTES / (heads // kv_heads)) ** 0.5)
-    return max(MIN_PACK, 1 << (min(even, fits).bit_length() - 1))
-
-
-def span_lengths(capacity: int) -> list[int]:
-    """The cache spans a decode step may attend over, shortest first: the capacity's quarters
-    (aligned), the capacity last. Each step takes the shortest that holds every busy row's slots
-    so far and the one it writes, so it reads about as much of the cache as the rows fill, and a
-    run fed longest prompts first (as regenerate's plan is) less and less as it goes."""
-    aligned = {-(-capacity * q // 4 // CAPACITY_ALIGN) * CAPACITY_ALIGN for q in (1, 2, 3)}
-    return sorted(n for n in aligned if n < capacity) + [capacity]
-
-
-def pack_lengths(tokens: int) -> list[int]:
-    """The pack lengths a run may use, shortest first: `tokens` over powers of 4, >= MIN_PACK."""
-    lengths = [tokens]
-    while lengths[-1] // 4 >= MIN_PACK:
-        lengths.append(lengths[-1] // 4)
-    return lengths[::-1]
 
 
 class Queue:
