@@ -161,25 +161,19 @@ def test_flex_blocks_attend_as_the_dense_length_mask(window):
     """Attention "flex" over 3 KV blocks: rows at the start, inside and at the end of a block,
     with and without a window reaching back across a block boundary, equal the dense step's
     masked attention over the whole cache (GQA: 6 query heads over 2 KV heads)."""
-    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+    from torch.nn.attention.flex_attention import flex_attention
 
-    from dflashpipe.decoding.batched_step import _KV_ONLY, FLEX_BLOCK, flex_blocks
+    from dflashpipe.decoding.batched_step import FLEX_BLOCK, flex_blocks, flex_mask
     from dflashpipe.decoding.families import windowed
 
     g = torch.Generator().manual_seed(0)
     C, length = 3 * FLEX_BLOCK, torch.tensor([0, 5, 127, 128, 200, 383])
     q = torch.randn(6, 6, 1, 16, generator=g)
     k, v = (torch.randn(6, 2, C, 16, generator=g) for _ in range(2))
-    num, indices, w = flex_blocks(length, C, window)
-    assert w == window and num.flatten().tolist() == (
+    blocks = flex_blocks(length, C, window)
+    assert blocks[2] == window and blocks[0].flatten().tolist() == (
         [1, 1, 1, 2, 2, 3] if window is None else [1, 1, 1, 2, 2, 1])  # fmt: skip
-
-    def keep(b, h, q_idx, kv_idx):
-        ok = kv_idx <= length[b]
-        return ok if window is None else ok & (length[b] - kv_idx < window)
-
-    mask = BlockMask.from_kv_blocks(num, indices, BLOCK_SIZE=FLEX_BLOCK, mask_mod=keep,
-                                    seq_lengths=(1, C), **_KV_ONLY)  # fmt: skip
+    mask = flex_mask(blocks, length, C)
     got = flex_attention(q, k, v, block_mask=mask, scale=0.25, enable_gqa=True)
     cols = torch.arange(C)
     full = (cols[None] <= length[:, None])[:, None]  # (R, 1, C), as decode_inputs builds it

@@ -88,6 +88,20 @@ _KV_ONLY = (  # no query-block tables: decoding has no backward pass
 )
 
 
+def flex_mask(blocks: tuple, slots: Tensor, capacity: int) -> BlockMask:
+    """flex_attention's mask of one query per row from `flex_blocks`' (num, indices, window):
+    inside those blocks a row keeps its committed slots and its new one (slots (R,): its
+    input's slot), within the window."""
+    num, indices, window = blocks
+
+    def keep(b, h, q_idx, kv_idx):
+        ok = kv_idx <= slots[b]
+        return ok if window is None else ok & (slots[b] - kv_idx < window)
+
+    return BlockMask.from_kv_blocks(num, indices, BLOCK_SIZE=FLEX_BLOCK, mask_mod=keep,
+                                    seq_lengths=(1, capacity), **_KV_ONLY)  # fmt: skip
+
+
 def decode_layer_flex(
     layer: nn.Module, x: Tensor, k_cache: Tensor, v_cache: Tensor, cos: Tensor, sin: Tensor,
     index: tuple[Tensor, Tensor], blocks: tuple, fused: tuple,
@@ -99,14 +113,7 @@ def decode_layer_flex(
     q = rotate(q[:, :, None], cos, sin)  # (R, Hq, 1, D)
     k_cache[rows, :, slots] = rotate(k[:, :, None], cos, sin)[:, :, 0]  # (R, Hkv, D)
     v_cache[rows, :, slots] = v
-    num, indices, window = blocks
-
-    def keep(b, h, q_idx, kv_idx):  # the row's committed slots and its new one, in its window
-        ok = kv_idx <= slots[b]
-        return ok if window is None else ok & (slots[b] - kv_idx < window)
-
-    mask = BlockMask.from_kv_blocks(num, indices, BLOCK_SIZE=FLEX_BLOCK, mask_mod=keep,
-                                    seq_lengths=(1, k_cache.shape[2]), **_KV_ONLY)  # fmt: skip
+    mask = flex_mask(blocks, slots, k_cache.shape[2])
     y = flex_attention(q, k_cache, v_cache, block_mask=mask, scale=layer.self_attn.scaling,
                        enable_gqa=True)  # fmt: skip
     return layer_out(layer, x, y.flatten(1), fused)
