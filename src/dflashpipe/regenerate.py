@@ -352,7 +352,7 @@ def decode_static(model, rows, prompts, batches, gen, eot, parts, max_parts, sha
         saved += 1
         rate = new_tokens / (time.perf_counter() - start)
         log.info("part %d saved (%d answers); %d new tokens so far, %.0f tok/s; engine %s", k,
-                 len(todo[k]), new_tokens, rate, dict(engine.stats))  # fmt: skip
+                 len(todo[k]), new_tokens, rate, engine.figures())  # fmt: skip
         bar.set_postfix(tok_s=f"{rate:.0f}")
         if max_parts is not None and saved >= max_parts and saved < len(todo):
             bar.close()

@@ -227,6 +227,7 @@ class BatchedEngine:
             if busy:  # the shortest span that holds every busy row's slots in this step
                 k = bisect.bisect_left(self.spans, self._reach(count))
                 self._run(*steps[k])
+                self.stats["steps"] += 1
                 self.stats["span_slots"] += self.spans[k]
                 current, turn = self._read_back(turn), turn + 1
             if pending is not None:
@@ -244,7 +245,15 @@ class BatchedEngine:
                 busy -= len(freed)
                 busy += self._admit(free, queue, busy, owner, limits, count)
             pending = current
-        self.stats["steps"] += turn
+
+    def figures(self) -> dict:
+        """The run so far in a log line's terms: steps, prefills, how full the packs were and
+        how much of the cache the steps read, graphs captured."""
+        s = self.stats
+        fill = s["prompt_tokens"] / s["prefill_tokens"] if s["prefill_tokens"] else 0.0
+        span = s["span_slots"] / (s["steps"] * self.capacity) if s["steps"] else 0.0
+        return {"steps": s["steps"], "prefills": s["prefills"], "pack_fill": f"{fill:.0%}",
+                "cache_read": f"{span:.0%}", "captures": s["captures"]}  # fmt: skip
 
     @torch.no_grad()
     def prepare(self, sampling: Sampling | None = None) -> None:
