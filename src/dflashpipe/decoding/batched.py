@@ -131,7 +131,9 @@ class BatchedEngine:
     per-layer functions for their one shape. `memory_budget`: bytes the cache and step buffers
     may take (None: memory.MEMORY_SHARE of the free memory). `pack_tokens`: the longest prefill
     pack (None: `default_pack`; at least the capacity); `refill_rows`: free rows that start a
-    refill however few tokens their prompts hold (None: rows / REFILL_SHARE, at least 1)."""
+    refill however few tokens their prompts hold (None: rows / REFILL_SHARE, at least 1);
+    `attention`: "dense" (a step reads a span of every row's cache) or "flex" (each row reads
+    its own KV blocks; the capacity then rounds up to FLEX_BLOCK)."""
 
     def __init__(
         self, model: nn.Module, rows: int, capacity: int, graphs: bool | None = None,
