@@ -1,8 +1,8 @@
 """The batched engine's device work and its shapes (decoding/batched.py runs them): a decode
 step's inputs and layers over R rows (dense over a span of the cache, or flex over each row's
 own KV blocks), a prefill pack's layers, the step's token choice and state update (`advance`),
-and the sizes they come in: prefill packs (`default_pack`, `pack_lengths`), cache spans
-(`span_lengths`) and the queue that fills packs (`Queue`)."""
+and the sizes they come in: prefill packs (`default_pack`, `pack_lengths`) and cache spans
+(`span_lengths`)."""
 
 from __future__ import annotations
 
@@ -51,20 +51,29 @@ def decode_inputs(
     return embed(token), ropes, index, masks
 
 
+def new_token_qkv(
+    layer: nn.Module, x: Tensor, k_cache: Tensor, v_cache: Tensor, cos: Tensor, sin: Tensor,
+    index: tuple[Tensor, Tensor], fused: tuple,
+) -> Tensor:  # fmt: skip
+    """A decoder layer's query (R, Hq, 1, D) of one new token per row, x (R, H), whose K/V it
+    writes at the row's own slot (index: rows, slots) of the buffers (R, Hkv, C, D). The write
+    is an index_put_ of R x Hkv vectors, which the compiler keeps in place; a scatter_ into the
+    buffer view made it copy the whole buffer, twice per layer and step (H200 profile: 70% of
+    the step, benchmarks/RESULTS.md; tests/test_batched.py checks the compiled code)."""
+    rows, slots = index
+    q, k, v = layer_qkv(layer, x, fused)  # (R, Hq, D), (R, Hkv, D)
+    k_cache[rows, :, slots] = rotate(k[:, :, None], cos, sin)[:, :, 0]  # (R, Hkv, D)
+    v_cache[rows, :, slots] = v
+    return rotate(q[:, :, None], cos, sin)  # (R, Hq, 1, D)
+
+
 def decode_layer(
     layer: nn.Module, x: Tensor, k_cache: Tensor, v_cache: Tensor, cos: Tensor, sin: Tensor,
     index: tuple[Tensor, Tensor], mask: Tensor, fused: tuple,
 ) -> Tensor:  # fmt: skip
-    """One decoder layer over one new token per row, x (R, H): each row's K/V written at its own
-    slot (index: rows, slots) of its row of the buffers (R, Hkv, C, D), attention over that row
-    only. The write is an index_put_ of R x Hkv vectors, which the compiler keeps in place; a
-    scatter_ into the buffer view made it copy the whole buffer, twice per layer and step
-    (H200 profile: 70% of the step, benchmarks/RESULTS.md)."""
-    rows, slots = index
-    q, k, v = layer_qkv(layer, x, fused)  # (R, Hq, D), (R, Hkv, D)
-    q = rotate(q[:, :, None], cos, sin)  # (R, Hq, 1, D)
-    k_cache[rows, :, slots] = rotate(k[:, :, None], cos, sin)[:, :, 0]  # (R, Hkv, D)
-    v_cache[rows, :, slots] = v
+    """One decoder layer over one new token per row, x (R, H): its K/V written
+    (`new_token_qkv`), attention over the row's own span of the cache under `mask`."""
+    q = new_token_qkv(layer, x, k_cache, v_cache, cos, sin, index, fused)
     y = layer_attention(layer, q, k_cache, v_cache, mask)  # (R, Hq, 1, D)
     return layer_out(layer, x, y.flatten(1), fused)
 
@@ -108,12 +117,8 @@ def decode_layer_flex(
 ) -> Tensor:  # fmt: skip
     """`decode_layer` with flex_attention over each row's own blocks (`flex_blocks`): a row reads
     the KV its length (and window) reaches, not the whole span; GQA in the kernel."""
-    rows, slots = index
-    q, k, v = layer_qkv(layer, x, fused)  # (R, Hq, D), (R, Hkv, D)
-    q = rotate(q[:, :, None], cos, sin)  # (R, Hq, 1, D)
-    k_cache[rows, :, slots] = rotate(k[:, :, None], cos, sin)[:, :, 0]  # (R, Hkv, D)
-    v_cache[rows, :, slots] = v
-    mask = flex_mask(blocks, slots, k_cache.shape[2])
+    q = new_token_qkv(layer, x, k_cache, v_cache, cos, sin, index, fused)
+    mask = flex_mask(blocks, index[1], k_cache.shape[2])
     y = flex_attention(q, k_cache, v_cache, block_mask=mask, scale=layer.self_attn.scaling,
                        enable_gqa=True)  # fmt: skip
     return layer_out(layer, x, y.flatten(1), fused)
