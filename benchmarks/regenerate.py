@@ -194,20 +194,19 @@ def bench_engine(model, shape: Shape, ps, lengths, pack: int | None = None,
     torch._dynamo.config.error_on_recompile = True
     try:
         wall = timed(lambda: list(engine.generate(requests, shape.max_new, set())), engine.device)
-        steps = engine.stats["steps"] - before["steps"]
+        steps = engine.stats["steps"] - before.get("steps", 0)
         step = timed(lambda: engine.idle_steps(20), engine.device) / 20
     finally:
         torch._dynamo.config.error_on_recompile = False
     bound = step_bytes(model, shape.rows, engine.capacity) / HBM_BYTES_PER_S
-    ran = {k: engine.stats[k] - before.get(k, 0) for k in engine.stats}
+    ran = engine.figures(before)
     row = {"path": "engine", "tok_s": sum(lengths) / wall, "bound_tok_s": shape.rows / bound,
            "step_ms": 1e3 * wall / steps, "step_alone_ms": 1e3 * step, "bound_ms": 1e3 * bound,
            "warmup_s": warm, "steps": steps, "slots": engine.capacity,
            "pack_tokens": engine.pack, "refill_rows": engine.refill_rows, "attention": attention,
            "active_share": sum(lengths) / (steps * shape.rows),  # rows that made a token
-           "prefills": ran["prefills"], "pack_fill": ran["prompt_tokens"] / ran["prefill_tokens"],
-           "span_share": ran["span_slots"] / (steps * engine.capacity),  # of the cache read
-           "captures_in_run": ran.get("captures", 0)}  # fmt: skip
+           "prefills": ran["prefills"], "pack_fill": ran["pack_fill"],
+           "span_share": ran["cache_read"], "captures_in_run": ran["captures"]}  # fmt: skip
     return row
 
 

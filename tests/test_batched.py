@@ -128,7 +128,7 @@ def test_a_step_attends_over_the_shortest_span_that_holds_its_busy_rows(varied):
     assert decode(engine, prompts, 10, stops) == reference(model, tok, prompts, 10, stops)
     assert engine.stats["span_slots"] <= 0.6 * engine.stats["steps"] * engine.capacity
     figures = engine.figures()  # what regenerate logs with each part
-    assert figures["steps"] == engine.stats["steps"] and int(figures["cache_read"][:-1]) <= 60
+    assert figures["steps"] == engine.stats["steps"] and figures["cache_read"] <= 0.6
 
 
 def test_the_compiled_step_decodes_as_the_eager_one_and_writes_the_cache_in_place(varied):

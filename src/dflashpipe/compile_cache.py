@@ -7,8 +7,9 @@ training process) loads every bundle in DIR before it compiles (torch.compiler's
 load_cache_artifacts: Inductor's graphs and Triton kernels, AOTAutograd's, autotuning results)
 and, when its work ends without an error, saves what it compiled as one more bundle
 (save_cache_artifacts), named by its content's digest, so concurrent processes never write the
-same name; a process that compiled nothing new (every graph a hit) adds none. torch checks each artifact against its own
-version, Triton's and the GPU before it uses it; a bundle it cannot read is logged and skipped.
+same name; a process that compiled nothing new (every graph a hit) adds none. torch checks each
+artifact against its own version, Triton's and the GPU before it uses it; a bundle it cannot
+read is logged and skipped.
 Only local rank 0 of a training job saves (every rank compiles the same graphs).
 
     DIR = a folder carried to the next machine (benchmarks/remote: pack.sh compile DIR)
@@ -48,7 +49,7 @@ def load(where: Path) -> set[str]:
         except Exception as e:  # another torch's format, a truncated copy: compile instead
             log.warning("compile cache: skipped %s (%s: %s)", bundle, type(e).__name__, e)
             continue
-        if not getattr(info, "artifacts", None):  # torch logs why and loads nothing
+        if not artifacts(info):  # torch logs why and loads nothing
             log.warning("compile cache: skipped %s (torch read no artifacts from it)", bundle)
             continue
         loaded |= keys(info)
@@ -75,16 +76,19 @@ def save(where: Path, tag: str, known: frozenset[str] | set[str] = frozenset()) 
     return path
 
 
+def artifacts(info) -> dict[str, list[str]]:
+    """A CacheInfo's artifact keys by kind ({} for none, or no CacheInfo)."""
+    return getattr(info, "artifacts", None) or {}
+
+
 def keys(info) -> set[str]:
-    """The artifacts' keys of a CacheInfo, by kind."""
-    artifacts = getattr(info, "artifacts", None) or {}
-    return {f"{kind}:{key}" for kind, names in artifacts.items() for key in names}
+    """The artifacts' keys of a CacheInfo, as 'kind:key'."""
+    return {f"{kind}:{key}" for kind, names in artifacts(info).items() for key in names}
 
 
 def summary(info) -> str:
     """'inductor 3, aot_autograd 2' from a CacheInfo."""
-    artifacts = getattr(info, "artifacts", None) or {}
-    return ", ".join(f"{kind} {len(keys)}" for kind, keys in artifacts.items()) or "empty"
+    return ", ".join(f"{kind} {len(names)}" for kind, names in artifacts(info).items()) or "empty"
 
 
 @contextmanager

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import bisect
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -147,8 +147,8 @@ class BatchedEngine:
         if attention == "flex" and attention_extras(model):
             raise ValueError(f"attention 'flex' does not take {attention_extras(model)} "
                              f"({model.config.model_type}): use 'dense'")  # fmt: skip
-        self.attention = attention
-        align = FLEX_BLOCK if attention == "flex" else CAPACITY_ALIGN
+        self.attention, self.flex = attention, attention == "flex"
+        align = FLEX_BLOCK if self.flex else CAPACITY_ALIGN
         self.capacity = -(-capacity // align) * align
         check_fit(model, rows, self.capacity, memory_budget)
         self.model, self.base, self.rows = model, model.get_decoder(), rows
@@ -171,8 +171,7 @@ class BatchedEngine:
         self.refill_rows = refill_rows or max(1, rows // REFILL_SHARE)
         if not 1 <= self.refill_rows <= rows:
             raise ValueError(f"refill_rows is {refill_rows}: expected 1..{rows} (the rows)")
-        flex = attention == "flex"
-        self.layer = compiled(decode_layer_flex if flex else decode_layer, self.compiled)
+        self.layer = compiled(decode_layer_flex if self.flex else decode_layer, self.compiled)
         self.inputs = compiled(decode_inputs, self.compiled)
         self.cols = torch.arange(self.capacity, device=self.device)  # (C,)
         # the model's own rotary embedding over every slot (per RoPE kind), as StaticTarget
@@ -195,7 +194,7 @@ class BatchedEngine:
         }
         self.stops = torch.full((MAX_STOPS,), -1, **long)  # the call's stop ids; -1 pads
         # flex reads each row's own blocks: one span, the whole cache
-        self.spans = [self.capacity] if flex else span_lengths(self.capacity)
+        self.spans = [self.capacity] if self.flex else span_lengths(self.capacity)
         self._prompt = np.zeros(rows, dtype=np.int64)  # per row: its prompt's length; 0: free
         self._choosers: dict[Sampling | None, Callable] = {}
         self._steps: dict[tuple, Callable] = {}
@@ -248,14 +247,16 @@ class BatchedEngine:
                 busy += self._admit(free, queue, busy, owner, limits, count)
             pending = current
 
-    def figures(self) -> dict:
-        """The run so far in a log line's terms: steps, prefills, how full the packs were and
-        how much of the cache the steps read, graphs captured."""
-        s = self.stats
-        fill = s["prompt_tokens"] / s["prefill_tokens"] if s["prefill_tokens"] else 0.0
-        span = s["span_slots"] / (s["steps"] * self.capacity) if s["steps"] else 0.0
-        return {"steps": s["steps"], "prefills": s["prefills"], "pack_fill": f"{fill:.0%}",
-                "cache_read": f"{span:.0%}", "captures": s["captures"]}  # fmt: skip
+    def figures(self, since: Mapping[str, int] | None = None) -> dict:
+        """The work since `since` (an earlier copy of `stats`; None: all of it): steps, prefills,
+        how full the packs were and what share of the cache the steps read (0-1), graphs
+        captured. Regenerate logs it with each part; the benchmark reports its timed run's."""
+        s = {k: v - (since or {}).get(k, 0) for k, v in self.stats.items()}
+        fill = s["prompt_tokens"] / s["prefill_tokens"] if s.get("prefill_tokens") else 0.0
+        span = s["span_slots"] / (s["steps"] * self.capacity) if s.get("steps") else 0.0
+        return {"steps": s.get("steps", 0), "prefills": s.get("prefills", 0),
+                "pack_fill": round(fill, 4), "cache_read": round(span, 4),
+                "captures": s.get("captures", 0)}  # fmt: skip
 
     @torch.no_grad()
     def prepare(self, sampling: Sampling | None = None) -> None:
@@ -267,9 +268,7 @@ class BatchedEngine:
             for span in self.spans:
                 self._decoder(key, span)
         for T in self.packs:
-            pack = torch.zeros(4, T, dtype=torch.long)
-            pack[1], pack[3] = self.rows, -1
-            self._run(("prefill", T), self._prefill_forward, pack)
+            self._run(("prefill", T), self._prefill_forward, torch.from_numpy(self._blank(T)))
 
     @torch.no_grad()
     def idle_steps(self, n: int) -> None:
@@ -323,7 +322,7 @@ class BatchedEngine:
             def step() -> None:
                 x, ropes, index, masks = self.inputs(b.embed_tokens, self.tables, cols,
                                                      s["token"], s["length"], self.windows,
-                                                     self.groups, self.attention == "flex")  # fmt: skip
+                                                     self.groups, self.flex)  # fmt: skip
                 for i, layer in enumerate(b.layers):
                     cos, sin = ropes[self.rope_of[i]]
                     x = self.layer(layer, x, k[i], v[i], cos, sin, index, masks[self.mask_of[i]],
@@ -395,9 +394,7 @@ class BatchedEngine:
         if not used:  # one-token prompts have nothing to cache
             return
         T = next(n for n in self.packs if n >= used)
-        pack = np.zeros((4, T), dtype=np.int64)  # ids, rows, positions, prompt in the pack
-        pack[1], pack[3] = self.rows, -1
-        at = 0
+        pack, at = self._blank(T), 0
         for k, (row, ids) in enumerate(jobs):
             m = len(ids)
             pack[:, at : at + m] = [ids, [row] * m, range(m), [k] * m]
@@ -406,6 +403,12 @@ class BatchedEngine:
         self.stats["prefills"] += 1
         self.stats["prefill_tokens"] += T
         self.stats["prompt_tokens"] += used
+
+    def _blank(self, T: int) -> np.ndarray:
+        """A pack (4, T) of padding only: ids 0, rows the scratch row, positions 0, prompt -1."""
+        pack = np.zeros((4, T), dtype=np.int64)  # ids, rows, positions, prompt in the pack
+        pack[1], pack[3] = self.rows, -1
+        return pack
 
     def _prefill_forward(self, pack: Tensor) -> None:
         """A pack (4, T) of ids, cache rows, positions and prompt numbers into the cache: every
