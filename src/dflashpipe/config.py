@@ -433,6 +433,7 @@ class EvaluateConfig:
     prompt_lookup_search: str
     prompt_lookup_sweep: bool
     lossless_check: bool
+    lossless_prompts: int | None
     workers: int
     methods: list[str]
     tree_nodes: list[int]

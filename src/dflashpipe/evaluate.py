@@ -32,7 +32,7 @@ import logging
 import platform
 import time
 from collections import Counter, defaultdict
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -202,8 +202,9 @@ def decode_and_check(
     if not ev.lossless_check:
         return Responses(main, {}, timed.info(), swept)
     checked = [m for m in main if m == "target" or m == "dflash" or m.startswith("ddtree@")]
-    if model.dtype == torch.float32:
+    if model.dtype == torch.float32:  # the timed responses are float32: every one is checked
         return Responses(main, {m: main[m] for m in checked}, timed.info(), swept)
+    checked_prompts = prompts if ev.lossless_prompts is None else prompts[: ev.lossless_prompts]
     # bf16 rounds a block forward and one-token forwards differently, so near-tied argmaxes
     # flip: losslessness is a float32 property, checked in float32 (a new engine: its buffers
     # and RoPE tables take the model's dtype; the bf16 one is dropped first). Its speed is not
@@ -215,7 +216,7 @@ def decode_and_check(
     fp32 = decoders([m for m in ev.methods if m != "prompt_lookup"])
     try:
         return Responses(
-            main, fp32.decode_all(prompts, n, stop_ids, f"float32{worker}"), info, swept
+            main, fp32.decode_all(checked_prompts, n, stop_ids, f"float32{worker}"), info, swept
         )
     finally:
         fp32.close()
@@ -254,19 +255,24 @@ def decode_in_workers(
     if workers == 1:
         return decode_and_check(model, drafter, prompts, ev, stop_ids)
     slices = [prompts[k::workers] for k in range(workers)]
+    checked = len(prompts) if ev.lossless_prompts is None else min(ev.lossless_prompts, len(prompts))
+    # slice k checks its prompts among the first `checked`: k, k + workers, ...
+    evs = [replace(ev, lossless_prompts=len(range(k, checked, workers))) for k in range(workers)]
     with ProcessPoolExecutor(workers - 1, mp_context=get_context("spawn")) as pool:
         args = (target_cfg, str(drafter_dir), str(model.device))
         futures = [
-            pool.submit(_decode_slice, *args, part, ev, stop_ids, f" [{k}/{workers}]")
+            pool.submit(_decode_slice, *args, part, evs[k], stop_ids, f" [{k}/{workers}]")
             for k, part in enumerate(slices[1:], start=1)
         ]
-        parts = [decode_and_check(model, drafter, slices[0], ev, stop_ids, f" [0/{workers}]")]
+        parts = [decode_and_check(model, drafter, slices[0], evs[0], stop_ids, f" [0/{workers}]")]
         parts += [f.result() for f in futures]
 
     def merged(lists: list[list[Decoded]]) -> list[Decoded]:
-        out: list[Decoded] = [None] * len(prompts)  # type: ignore[list-item]
+        """The slices' responses back in prompt order (the lossless ones: the first `checked`)."""
+        out: list[Decoded] = [None] * sum(map(len, lists))  # type: ignore[list-item]
         for k, part in enumerate(lists):
-            out[k::workers] = part
+            for j, d in enumerate(part):
+                out[k + j * workers] = d
         return out
 
     first = parts[0]

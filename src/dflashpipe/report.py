@@ -143,8 +143,12 @@ def _speed(x: float | None) -> str:
     return "-" if x is None else f"{x:.2f}x"
 
 
-def _lossless(x: float | None) -> str:
-    return "not checked (evaluate.lossless_check: false)" if x is None else f"**{x:.3f}**"
+def _lossless(evaluation: dict) -> str:
+    x, checked = evaluation["lossless_fraction"], evaluation.get("lossless_prompts")
+    if x is None:
+        return "not checked (evaluate.lossless_check: false)"
+    of = f" of {checked} prompts" if checked and checked < evaluation["num_prompts"] else ""
+    return f"**{x:.3f}**{of}"
 
 
 def methods_table(evaluation: dict) -> str:
@@ -271,7 +275,7 @@ def summary(rows: list[dict], evaluation: dict, prompts: dict, manifest: dict, i
 {per_source}
 
 - acceptance length tau: **{evaluation["acceptance_length"]:.3f}** (prompt lookup at its best: {_fmt(lookup.get("acceptance_length"))}{_config(lookup.get("best"), ", ")})
-- lossless fraction (float32): {_lossless(evaluation["lossless_fraction"])}
+- lossless fraction (float32): {_lossless(evaluation)}
 - speedup vs target-only greedy: **{evaluation["speedup"]:.2f}x** (prompt lookup{_config(lookup.get("configured"), " ")}: {_speed(lookup.get("speedup"))}){_engine(evaluation)}
 
 {methods_table(evaluation)}

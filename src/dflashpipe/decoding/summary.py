@@ -23,7 +23,7 @@ def first_divergence(
     prompts: list[tuple[dict, list[int]]], ref: list[Decoded], got: list[Decoded]
 ) -> dict | None:
     """Where the first speculative output that is not the target's own departs from it."""
-    for (row, _), a, b in zip(prompts, ref, got, strict=True):
+    for (row, _), a, b in zip(prompts[: len(ref)], ref, got, strict=True):
         if a.output_ids == b.output_ids:
             continue
         pairs = zip(a.output_ids, b.output_ids, strict=False)
@@ -122,7 +122,7 @@ def method_rows(
             "step_cost": _ratio(row["seconds_per_step"], base["seconds_per_step"]),
         }
         if m in lossless and m != "target":
-            same = _identical(lossless["target"], lossless[m])
+            same = _identical(lossless["target"], lossless[m])  # the checked prompts: the first
             entry["lossless_fraction"] = sum(same) / len(same)
         if not m.startswith("ddtree@"):
             methods[m] = entry
@@ -159,10 +159,11 @@ def summarize(
     base_speed = base["decode_tokens_per_s"]
     histogram = Counter(a for r in dflash for a in r.accepted_lengths)
     checked = bool(lossless)
-    same = _identical(lossless["target"], lossless["dflash"]) if checked else [None] * len(dflash)
+    same = _identical(lossless["target"], lossless["dflash"]) if checked else []
+    per_response = same + [None] * (len(dflash) - len(same))  # None: not checked
     trees = {m.removeprefix("ddtree@"): main[m] for m in main if m.startswith("ddtree@")}
     responses = []
-    for k, ((row, ids), r, ok) in enumerate(zip(prompts, dflash, same, strict=True)):
+    for k, ((row, ids), r, ok) in enumerate(zip(prompts, dflash, per_response, strict=True)):
         responses.append({
             "prompt_id": row["prompt_id"],
             "source": row["source"],
@@ -185,6 +186,7 @@ def summarize(
         "histogram": {str(k): histogram.get(k, 0) for k in range(1, block + 1)},
         "per_position_acceptance": spec["per_position_acceptance"],
         "lossless_fraction": sum(same) / len(same) if checked else None,
+        "lossless_prompts": len(same) if checked else 0,
         "first_divergence": (
             first_divergence(prompts, lossless["target"], lossless["dflash"]) if checked else None
         ),
