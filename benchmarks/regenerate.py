@@ -17,14 +17,24 @@ of 22,880) and the others average 95 tokens (8.60 M tokens over 22,880 sequences
 average 176): drawn uniformly from 1..190. `--answer-lengths FILE` takes real ones instead.
 
 Printed per shape and path: generated tok/s (useful tokens over the whole run: prefills, refills
-and the tail included) and the ms per decode step, each against its HBM-bandwidth bound: the
-bytes a step reads (the weights once, the embedding table only where the LM head is not it, and
+and the tail included) and the ms per decode step, each against its bound on the card the run
+finds (`dflashpipe.cards`: H100 SXM 3.35 TB/s, H200 4.8 TB/s, both 989 TFLOP/s dense bf16; the
+card and its figures are printed; `--hbm-tbs` / `--tflops` override them). A step's bound is
+the bytes it reads (the weights once, the embedding table only where the LM head is not it, and
 the whole static cache the step attends over: rows x slots x layers x 2 x kv_heads x head_dim x
-2 bytes) over 4.8 TB/s (H200). The engine's step is timed alone too (idle rows, same kernels,
-the whole cache); in a run its steps attend over a share of the cache (`span` below), so a run's
-tok/s may pass its whole-cache bound's share.
+2 bytes) over the card's bandwidth. A run's bound adds the two floors of its work: every answer
+token decoded at that step bound with every row busy (answer tokens / rows steps), and every
+prompt prefilled at the card's dense bf16 peak (2 x the decoder's matrix weights per token, the
+causal attention over each prompt, the LM head once per prompt), so at Qwen3-8B's shapes, where
+52 packs of 8,192 prompt tokens are compute-bound, the share is of something reachable. The
+engine's step is timed alone too (idle rows, same kernels, the whole cache); in a run its steps
+attend over a share of the cache (`span` below), so a run's tok/s may pass its bound's share.
+generate() decodes as many rows per call as the card's free memory holds (its static cache and
+prefill: `decoding/memory.generate_rows`, as regenerate's `engine: hf` does); `per_call` says how
+many.
 
     python benchmarks/regenerate.py --out $OUT/regen.json                  # both shapes, both paths
+    python benchmarks/regenerate.py --hbm-tbs 3.35 --tflops 989            # a card not in the table
     python benchmarks/regenerate.py --shapes qwen3-8b --paths engine       # one cell
     python benchmarks/regenerate.py --smoke                                # CPU, tiny shapes, < 1 min
     python benchmarks/regenerate.py --shapes recipe --paths engine --refill-rows 16 64 256
@@ -63,11 +73,11 @@ from transformers import (
 )
 
 from dflashpipe import attention
+from dflashpipe.cards import Card, card
 from dflashpipe.decoding.batched import ATTENTIONS, BatchedEngine, Request
-from dflashpipe.decoding.hf_generate import generate_batch
+from dflashpipe.decoding.hf_generate import fitting_rows, generate_batch
 
 HERE = Path(__file__).resolve().parent
-HBM_BYTES_PER_S = 4.8e12  # H200
 AT_CAP, STOPPED_MEAN = 14903 / 22880, 95  # the recipe's answers (module docstring)
 QWEN3_8B = dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288,
                 num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
@@ -166,6 +176,31 @@ def step_bytes(model, rows: int, slots: int) -> int:
     return weights + rows * slots * kv * embed.element_size()
 
 
+def prefill_flops(model, prompt_lengths: list[int]) -> float:
+    """FLOPs of prefilling these prompts: 2 x the decoder layers' matrix weights per token, the
+    causal attention (QK^T and PV: 2 x 2 x layers x heads x head_dim x length^2 / 2) and the LM
+    head at each prompt's last token."""
+    layers = model.get_decoder().layers
+    matrices = sum(p.numel() for p in layers.parameters() if p.dim() == 2)
+    attn = layers[0].self_attn
+    q_width = attn.q_proj.weight.shape[0]  # heads x head_dim
+    head = model.get_output_embeddings().weight.numel()
+    return sum(2 * matrices * n + 2 * len(layers) * q_width * n * n + 2 * head
+               for n in prompt_lengths)  # fmt: skip
+
+
+def run_bound(model, shape: Shape, ps, lengths, slots: int, gpu: Card) -> dict:
+    """A run's floors on the card (module docstring): a decode step reading the weights and the
+    whole cache of `slots`, every row busy, and every prompt prefilled at the dense bf16 peak;
+    None where the card's figures are unknown (the CPU)."""
+    if not (gpu.hbm_bytes_per_s and gpu.bf16_flops):
+        return {"bound_ms": None, "bound_tok_s": None, "prefill_bound_s": None}
+    step = step_bytes(model, shape.rows, slots) / gpu.hbm_bytes_per_s
+    prefill = prefill_flops(model, [len(p) for p in ps]) / gpu.bf16_flops
+    total = sum(lengths) / shape.rows * step + prefill
+    return {"bound_ms": 1e3 * step, "bound_tok_s": sum(lengths) / total, "prefill_bound_s": prefill}
+
+
 def timed(fn, device: torch.device) -> float:
     sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
     sync()
@@ -175,7 +210,7 @@ def timed(fn, device: torch.device) -> float:
     return time.perf_counter() - start
 
 
-def bench_engine(model, shape: Shape, ps, lengths, pack: int | None = None,
+def bench_engine(model, shape: Shape, ps, lengths, gpu: Card, pack: int | None = None,
                  refill: int | None = None, attention: str = "dense") -> dict:  # fmt: skip
     """The engine over every request (after a warm-up call that compiles, and every graph
     captured: `prepare`), then its step alone (idle rows). `pack` / `refill` / `attention`: the
@@ -198,11 +233,10 @@ def bench_engine(model, shape: Shape, ps, lengths, pack: int | None = None,
         step = timed(lambda: engine.idle_steps(20), engine.device) / 20
     finally:
         torch._dynamo.config.error_on_recompile = False
-    bound = step_bytes(model, shape.rows, engine.capacity) / HBM_BYTES_PER_S
     ran = engine.figures(before)
-    row = {"path": "engine", "tok_s": sum(lengths) / wall, "bound_tok_s": shape.rows / bound,
-           "step_ms": 1e3 * wall / steps, "step_alone_ms": 1e3 * step, "bound_ms": 1e3 * bound,
-           "warmup_s": warm, "steps": steps, "slots": engine.capacity,
+    row = {"path": "engine", "tok_s": sum(lengths) / wall,
+           **run_bound(model, shape, ps, lengths, engine.capacity, gpu),
+           "step_ms": 1e3 * wall / steps, "step_alone_ms": 1e3 * step, "warmup_s": warm, "steps": steps, "slots": engine.capacity,
            "pack_tokens": engine.pack, "refill_rows": engine.refill_rows, "attention": attention,
            "active_share": sum(lengths) / (steps * shape.rows),  # rows that made a token
            "prefills": ran["prefills"], "pack_fill": ran["pack_fill"],
@@ -217,29 +251,34 @@ def stage_config(new_tokens: int, cache: str) -> GenerationConfig:
                             pad_token_id=0, eos_token_id=[1], cache_implementation=cache)  # fmt: skip
 
 
-def bench_generate(model, shape: Shape, ps, lengths, batches: int | None) -> dict:
-    """Today's path: length-sorted batches of `rows` padded to the shape's width, each decoded
-    until its longest answer ends (compiled static cache on CUDA); `batches`: the first few."""
+def bench_generate(model, shape: Shape, ps, lengths, batches: int | None, gpu: Card) -> dict:
+    """The stage's `engine: hf` path: length-sorted batches of `rows` padded to the shape's
+    width, each decoded until its longest answer ends (compiled static cache on CUDA), in calls
+    of as many rows as the free memory holds; `batches`: the first few."""
     cache = "static" if model.device.type == "cuda" else "dynamic"
     order = sorted(range(len(ps)), key=lambda i: -len(ps[i]))
     groups = [order[i : i + shape.rows] for i in range(0, len(order), shape.rows)][:batches]
+    per_call = fitting_rows(model, shape.rows, shape.width, shape.max_new)
 
     def batch(group: list[int]) -> None:
         new = max(lengths[i] for i in group)
         generate_batch(model, [ps[i] for i in group], stage_config(new, cache), {1}, shape.rows,
-                       shape.width)  # fmt: skip
+                       shape.width, per_call)  # fmt: skip
 
     warm = timed(lambda: batch(groups[0]), model.device)  # compiles the decode step
     wall = sum(timed(lambda g=g: batch(g), model.device) for g in groups)
     steps = sum(max(lengths[i] for i in g) for g in groups)
     useful = sum(lengths[i] for g in groups for i in g)
-    bound = step_bytes(model, shape.rows, shape.width + shape.max_new) / HBM_BYTES_PER_S
-    return {"path": "generate()", "tok_s": useful / wall, "bound_tok_s": shape.rows / bound,
-            "step_ms": 1e3 * wall / steps, "bound_ms": 1e3 * bound, "warmup_s": warm,
-            "steps": steps, "slots": shape.width + shape.max_new}  # fmt: skip
+    timed_ps = [ps[i] for g in groups for i in g]
+    timed_lengths = [lengths[i] for g in groups for i in g]
+    slots = shape.width + shape.max_new
+    return {"path": "generate()", "tok_s": useful / wall,
+            **run_bound(model, shape, timed_ps, timed_lengths, slots, gpu),
+            "step_ms": 1e3 * wall / steps, "warmup_s": warm, "steps": steps, "slots": slots,
+            "per_call": per_call}  # fmt: skip
 
 
-def compare(args, device: torch.device) -> list[dict]:
+def compare(args, device: torch.device, gpu: Card) -> list[dict]:
     rows = []
     for name in args.shapes:
         shape = (SMOKE if args.smoke else SHAPES)[name]
@@ -254,12 +293,15 @@ def compare(args, device: torch.device) -> list[dict]:
                  for refill in args.refill_rows for attn in args.attention]  # fmt: skip
         for path, pack, refill, attn in dict.fromkeys(cells):
             if path == "engine":
-                row = bench_engine(model, shape, ps, lengths, pack, refill, attn)
+                row = bench_engine(model, shape, ps, lengths, gpu, pack, refill, attn)
             else:
-                row = bench_generate(model, shape, ps, lengths, args.generate_batches)
+                row = bench_generate(model, shape, ps, lengths, args.generate_batches, gpu)
+            bound = row["bound_ms"] is not None
             row.update(shape=name, rows=shape.rows, tokens_per_answer=sum(lengths) / len(ps),
-                       step_bound_share=row["bound_ms"] / row.get("step_alone_ms", row["step_ms"]),
-                       tok_s_bound_share=row["tok_s"] / row["bound_tok_s"])  # fmt: skip
+                       card=gpu.name,
+                       step_bound_share=row["bound_ms"] / row.get("step_alone_ms", row["step_ms"])
+                       if bound else None,
+                       tok_s_bound_share=row["tok_s"] / row["bound_tok_s"] if bound else None)  # fmt: skip
             rows.append(row)
             print(json.dumps(row), flush=True)
             gc.collect()  # the engine's graphs and cache (its steps hold it in a cycle)
@@ -269,21 +311,24 @@ def compare(args, device: torch.device) -> list[dict]:
     return rows
 
 
-def report(rows: list[dict]) -> None:
-    print(f"\n{'shape':<10}{'path':<12}{'attn':>6}{'rows':>6}{'pack':>6}{'refill':>7}{'tok/s':>10}"
+def report(rows: list[dict], gpu: Card) -> None:
+    print(f"\ncard: {gpu.describe()}; bounds over these figures")
+    print(f"{'shape':<10}{'path':<12}{'attn':>6}{'rows':>6}{'pack':>6}{'refill':>7}{'tok/s':>10}"
           f"{'bound':>10}{'share':>7}{'ms/step':>9}{'alone':>8}{'bound':>8}{'share':>7}"
           f"{'active':>7}{'prefills':>9}{'fill':>6}{'span':>6}")  # fmt: skip
     for r in rows:
         engine = r["path"] == "engine"
 
-        def cell(key: str, fmt: str, width: int, r=r, engine=engine) -> str:
-            return f"{r[key]:>{width}{fmt}}" if engine else f"{'-':>{width}}"
+        def cell(key: str, fmt: str, width: int, r=r, engine=engine, always=False) -> str:
+            shown = (engine or always) and r.get(key) is not None
+            return f"{r[key]:>{width}{fmt}}" if shown else f"{'-':>{width}}"
 
         print(f"{r['shape']:<10}{r['path']:<12}{cell('attention', '', 6)}{r['rows']:>6}"
               f"{cell('pack_tokens', '', 6)}"
-              f"{cell('refill_rows', '', 7)}{r['tok_s']:>10.0f}{r['bound_tok_s']:>10.0f}"
-              f"{r['tok_s_bound_share']:>7.0%}{r['step_ms']:>9.2f}{cell('step_alone_ms', '.2f', 8)}"
-              f" {r['bound_ms']:>7.3g}{r['step_bound_share']:>7.0%}{cell('active_share', '.0%', 7)}"
+              f"{cell('refill_rows', '', 7)}{r['tok_s']:>10.0f}{cell('bound_tok_s', '.0f', 10, always=True)}"
+              f"{cell('tok_s_bound_share', '.0%', 7, always=True)}{r['step_ms']:>9.2f}"
+              f"{cell('step_alone_ms', '.2f', 8)} {cell('bound_ms', '.3g', 7, always=True)}"
+              f"{cell('step_bound_share', '.0%', 7, always=True)}{cell('active_share', '.0%', 7)}"
               f"{cell('prefills', '', 9)}{cell('pack_fill', '.0%', 6)}"
               f"{cell('span_share', '.0%', 6)}")  # fmt: skip
     by = {}
@@ -375,6 +420,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     help="the engine's refill gathering (free rows) to sweep (default: its own)")  # fmt: skip
     ap.add_argument("--attention", nargs="+", choices=ATTENTIONS, default=["dense"],
                     help="the engine's decode attention(s) to compare (flex: per-row KV blocks)")  # fmt: skip
+    ap.add_argument("--hbm-tbs", type=float, default=None,
+                    help="the card's HBM bandwidth in TB/s (default: dflashpipe.cards by name)")  # fmt: skip
+    ap.add_argument("--tflops", type=float, default=None,
+                    help="the card's dense bf16 peak in TFLOP/s (default: by name)")  # fmt: skip
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny shapes (the suite runs it)")
     ap.add_argument("--tiny-model", action="store_true",
                     help="CPU: the shapes' rows, prompts and answers on a 2-layer model; only the "
@@ -402,11 +451,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
         else:
             profile(build_model("recipe", device), ps, args.profile, args.new_tokens, 512)
         return []
-    rows = compare(args, device)
-    report(rows)
+    gpu = card(device, args.hbm_tbs, args.tflops)
+    print(f"card: {gpu.describe()}", flush=True)
+    rows = compare(args, device, gpu)
+    report(rows, gpu)
     if args.out:
         name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
-        Path(args.out).write_text(json.dumps({"device": name, "rows": rows}, indent=2))
+        facts = {"card": gpu.name, "hbm_bytes_per_s": gpu.hbm_bytes_per_s,
+                 "bf16_flops": gpu.bf16_flops}  # fmt: skip
+        Path(args.out).write_text(json.dumps({"device": name, **facts, "rows": rows}, indent=2))
     return rows
 
 

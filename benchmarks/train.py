@@ -5,7 +5,8 @@ Qwen3-8B drafter: 5 layers, hidden 4096, GQA 32/8, head_dim 128, MLP 12288, bloc
 target features. The step is the train stage's (`train.forward_loss`): `Drafter` forward
 (float32 master weights, bf16 autocast, compiled layers, flex attention), `block_labels`, chunked
 `dflash_loss` against the bf16 head, backward, clip, fused AdamW. FLOPs by
-`metrics.step_flops` (formula in its docstring); peak 989 TFLOP/s (H200 dense bf16).
+`metrics.step_flops` (formula in its docstring); MFU over the card's dense bf16 peak
+(`dflashpipe.cards`: 989 TFLOP/s on an H100 SXM or H200).
 Loader: `PackedBatches` decoding a bf16-zstd shard of the same shapes, per worker count.
 
     python benchmarks/train.py --steps 20 --out $OUT/train.json
@@ -23,9 +24,10 @@ from pathlib import Path
 
 import torch
 
+from dflashpipe.cards import card
 from dflashpipe.codecs import encode
 from dflashpipe.data import PackedBatches, Sample, make_loader
-from dflashpipe.metrics import PEAK_TFLOPS_BF16, step_flops
+from dflashpipe.metrics import step_flops
 from dflashpipe.model import Drafter, DrafterConfig
 from dflashpipe.shards import ShardInfo, feature_row, write_shard
 from dflashpipe.train import compute_head, forward_loss
@@ -35,7 +37,6 @@ FULL = dict(hidden_size=4096, intermediate_size=12288, num_attention_heads=32, n
 SMOKE = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
              head_dim=16, vocab_size=1000, tokens=256, anchors=32, layers=2)  # fmt: skip
 TAPS = [1, 9, 17, 25, 33]
-PEAK = PEAK_TFLOPS_BF16["H200"] * 1e12  # dense bf16
 DISTINCT = 4  # distinct random sequences in the benchmark's shard
 
 
@@ -131,7 +132,8 @@ def step_time(model: Drafter, batch: dict, steps: int, accum: int = 1) -> tuple[
 
 
 def mfu(flops: float, seconds: float, device: torch.device) -> float | None:
-    return flops / seconds / PEAK if device.type == "cuda" else None
+    peak = card(device).bf16_flops if device.type == "cuda" else None
+    return flops / seconds / peak if peak else None
 
 
 def profile_step(model: Drafter, batch: dict, out: Path, rows: int = 30) -> None:
@@ -165,7 +167,8 @@ def main() -> None:
     args = ap.parse_args()
     shape = SMOKE if args.smoke else FULL
     device = torch.device("cpu" if args.smoke else "cuda")
-    res: dict = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu"}
+    res: dict = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+                 "card": card(device).describe()}
     with tempfile.TemporaryDirectory() as tmp:
         shard = Path(tmp) / "shard.arrow"
         samples = random_shard(shard, shape, args.sequences)

@@ -15,7 +15,7 @@ from dflashpipe.chat import encode_prompt, end_of_turn_ids
 from dflashpipe.config import Config, TargetConfig
 from dflashpipe.decoding.batched import BatchedEngine, Request
 from dflashpipe.decoding.hf_generate import generate_batch, generation_config
-from dflashpipe.decoding.memory import cache_bytes
+from dflashpipe.decoding.memory import cache_bytes, generate_rows, prefill_bytes, step_bytes
 from dflashpipe.decoding.sampling import Sampling
 from dflashpipe.errors import ConfigError
 from dflashpipe.prompts import Prompt, prompt_key, write_prompts
@@ -289,6 +289,55 @@ def test_too_many_rows_for_the_memory_are_refused(tiny, tiny_target_dir, tmp_pat
     with pytest.raises(ConfigError, match=r"regenerate\.batch_size 100000000: .*more than"):
         run(config(tiny_target_dir, batch_size=10**8), str(prompts), 0, str(out))
     assert not out.exists() and not PartStore(out).dir.exists()  # nothing written
+
+
+def test_generate_rows_are_sized_from_the_memory_budget(tiny):
+    """generate()'s rows per call: as many as the budget holds (its static cache, the prefill's
+    MLP and hidden activations, a step's buffers), capped at the batch; none below one row."""
+    model, _ = tiny
+    cfg = model.config
+    assert (
+        prefill_bytes(model, 2, 64)
+        == 2 * 64 * (3 * cfg.intermediate_size + 4 * cfg.hidden_size) * 4
+    )
+
+    def need(n: int) -> int:  # 64 prompt positions + 16 new tokens
+        return cache_bytes(model, n, 80) + prefill_bytes(model, n, 64) + step_bytes(model, n)
+
+    assert generate_rows(model, 8, 64, 16, budget=need(3)) == 3
+    assert generate_rows(model, 8, 64, 16, budget=need(3) - 1) == 2
+    assert generate_rows(model, 2, 64, 16, budget=need(3)) == 2  # the batch caps it
+    assert generate_rows(model, 8, 64, 16, budget=need(1) - 1) == 0
+
+
+def test_generate_in_calls_of_the_rows_that_fit_gives_the_same_answers(varied):
+    """A batch decoded in calls of 3 rows (what fits) answers as the whole batch in one call."""
+    model, tok = varied
+    prompts, stops = chat_prompts(tok, 7), end_of_turn_ids(tok)
+    from dflashpipe.config import RegenerateConfig
+
+    cfg = generation_config(RegenerateConfig(max_new_tokens=6, cache="dynamic"), stops, 0,
+                            model.device, False)  # fmt: skip
+    whole = generate_batch(model, prompts, cfg, stops, 7)
+    calls, real = [], model.generate
+    model.generate = lambda **kw: calls.append(kw["input_ids"].shape) or real(**kw)
+    try:
+        assert generate_batch(model, prompts, cfg, stops, 7, max_rows=3) == whole
+    finally:
+        del model.generate
+    assert [rows for rows, _ in calls] == [3, 3, 3] and len({w for _, w in calls}) == 1
+    assert len(whole) == 7 and len({tuple(a) for a, _ in whole}) > 1  # rows differ
+
+
+def test_generate_rows_that_cannot_fit_are_refused_before_decoding(tiny_target_dir, tmp_path):
+    """regenerate.engine hf: an answer length whose cache holds not one row in the free memory
+    is refused before anything is decoded or written, naming the key."""
+    prompts = write_questions(tmp_path / "p.parquet", 2)
+    out = tmp_path / "o.parquet"
+    huge = config(tiny_target_dir, engine="hf", max_new_tokens=10**10)
+    with pytest.raises(ConfigError, match=r"regenerate\.batch_size 3: not even one prompt"):
+        run(huge, str(prompts), 0, str(out))
+    assert not out.exists() and not PartStore(out).dir.exists()
 
 
 def test_a_prompt_longer_than_the_cache_is_refused_before_decoding(tiny):

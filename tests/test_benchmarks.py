@@ -19,14 +19,20 @@ def _script(name: str):
 
 
 def test_regenerate_benchmark_smoke(tmp_path):
-    """Engine and generate() at both shapes, each against its bandwidth bound, in one run."""
+    """Engine and generate() at both shapes, each against its bound on the card named (the CPU
+    has none: an H100 SXM's figures given), in one run."""
     out = tmp_path / "regen.json"
-    rows = _script("regenerate").main(["--smoke", "--out", str(out)])
+    rows = _script("regenerate").main(["--smoke", "--out", str(out), "--hbm-tbs", "3.35",
+                                       "--tflops", "989"])  # fmt: skip
     assert {(r["shape"], r["path"]) for r in rows} == {
         (s, p) for s in ("recipe", "qwen3-8b") for p in ("engine", "generate()")
     }
     for r in rows:
         assert r["tok_s"] > 0 and r["bound_ms"] > 0 and r["step_bound_share"] > 0
+        # the run's bound counts the prefill at the peak beside the decode steps' bytes
+        decode_only = r["rows"] / (r["bound_ms"] / 1e3)
+        assert r["prefill_bound_s"] > 0 and r["bound_tok_s"] < decode_only
+    assert json.loads(out.read_text())["hbm_bytes_per_s"] == 3.35e12
     engine = [r for r in rows if r["path"] == "engine"]
     assert all(r["captures_in_run"] == 0 and r["step_alone_ms"] > 0 for r in engine)
     # real stopping at the recipe's shapes: answers shorter than max_new_tokens

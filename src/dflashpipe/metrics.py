@@ -24,11 +24,11 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from dflashpipe.cards import card
 from dflashpipe.data import Sample
 from dflashpipe.model import DrafterConfig
 
 log = logging.getLogger("dflashpipe.train")
-PEAK_TFLOPS_BF16 = {"H200": 989.0, "H100": 989.0, "A100": 312.0}
 
 
 def step_flops(
@@ -185,10 +185,7 @@ def _truncate_metrics(path: Path, step: int) -> None:
 
 
 def _peak_flops(device: torch.device) -> float | None:
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    return next((v * 1e12 for k, v in PEAK_TFLOPS_BF16.items() if k in name), None)
+    return card(device).bf16_flops if device.type == "cuda" else None
 
 
 def _tensorboard(path: Path):

@@ -40,7 +40,12 @@ from tqdm import tqdm
 from dflashpipe import faults
 from dflashpipe.chat import encode_chat, encode_prompt, end_of_turn_ids
 from dflashpipe.config import Config, RegenerateConfig
-from dflashpipe.decoding.hf_generate import generate_batch, generation_config, padded_shape
+from dflashpipe.decoding.hf_generate import (
+    fitting_rows,
+    generate_batch,
+    generation_config,
+    padded_shape,
+)
 from dflashpipe.errors import ConfigError, DataError
 from dflashpipe.storage import atomic_path
 
@@ -243,6 +248,11 @@ def decode_hf(model, tok, rows, prompts, batches, gen, eot, parts, max_batches, 
     # narrower batch would not decode faster anyway).
     static = next(iter(configs.values())).cache_implementation == "static"
     width = padded_shape([len(prompts[i]) for i in keep], 1)[1] if static and keep else 0
+    try:  # refused before anything is decoded; fewer rows per call where the batch would not fit
+        widest = width or padded_shape([len(prompts[i]) for i in keep] or [1], 1)[1]
+        max_rows = fitting_rows(model, gen.batch_size, widest, gen.max_new_tokens)
+    except ValueError as e:
+        raise ConfigError(f"regenerate.batch_size {gen.batch_size}: {e}") from None
     parts.bind(plan_digest(gen, target, width, [[prompts[i] for i in b] for b in batches], shard))
     per_part = max(1, gen.save_every // gen.batch_size)
     done = parts.done()
@@ -270,7 +280,8 @@ def decode_hf(model, tok, rows, prompts, batches, gen, eot, parts, max_batches, 
             if sampled(gen, sample):
                 torch.manual_seed(batch_seed(gen.seed, shard, sample, b))
             answers = generate_batch(model, [prompts[i] for i in batch],
-                                     configs[sampled(gen, sample)], eot, gen.batch_size, width)  # fmt: skip
+                                     configs[sampled(gen, sample)], eot, gen.batch_size, width,
+                                     max_rows)  # fmt: skip
             made = sum(len(new) for new, _ in answers)
             shape = padded_shape([len(prompts[i]) for i in batch], gen.batch_size, width)
             log.info("batch of %d prompts, shape %s: %d new tokens in %.1f s", len(batch), shape,

@@ -7,9 +7,14 @@ a power-of-two width so the compiled static-cache decode step sees few shapes.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from dflashpipe.config import RegenerateConfig
+from dflashpipe.decoding.memory import generate_rows
+
+log = logging.getLogger(__name__)
 
 
 def generation_config(
@@ -39,12 +44,40 @@ def padded_shape(lengths: list[int], batch_size: int, width: int = 0) -> tuple[i
     return max(batch_size, len(lengths)), width
 
 
+def fitting_rows(model, batch_size: int, width: int, max_new_tokens: int) -> int:
+    """The rows one generate() call decodes: batch_size, or as many as the device's free memory
+    holds (memory.generate_rows: the static cache, the prefill's activations, a step's buffers)
+    with a warning; ValueError when not even one row fits."""
+    fit = generate_rows(model, batch_size, width, max_new_tokens)
+    if fit == 0:
+        raise ValueError(
+            f"not even one prompt padded to {width} tokens with {max_new_tokens} new tokens fits "
+            "generate()'s cache and prefill in the device's free memory; use shorter prompts "
+            "(regenerate.max_prompt_tokens) or fewer new tokens"
+        )
+    if fit < batch_size:
+        log.warning("generate(): %d rows x %d prompt tokens + %d new do not fit the device's free "
+                    "memory; decoding %d rows per call", batch_size, width, max_new_tokens, fit)  # fmt: skip
+    return fit
+
+
 @torch.inference_mode()
 def generate_batch(
-    model, prompts: list[list[int]], gen_cfg, eot: set[int], batch_size: int = 0, width: int = 0
-) -> list[tuple]:
-    """(new token ids incl. the end-of-turn token, finish reason) per prompt; left padding."""
+    model, prompts: list[list[int]], gen_cfg, eot: set[int], batch_size: int = 0, width: int = 0,
+    max_rows: int | None = None,
+) -> list[tuple]:  # fmt: skip
+    """(new token ids incl. the end-of-turn token, finish reason) per prompt; left padding. With
+    `max_rows` (fitting_rows) below the batch, it decodes in calls of max_rows rows, each filled
+    up to max_rows, so every call has one shape."""
     rows, width = padded_shape(list(map(len, prompts)), batch_size, width)
+    if max_rows and max_rows < rows:
+        return [
+            answer
+            for i in range(0, len(prompts), max_rows)
+            for answer in generate_batch(
+                model, prompts[i : i + max_rows], gen_cfg, eot, max_rows, width
+            )  # fmt: skip
+        ]
     ids = torch.full((rows, width), gen_cfg.pad_token_id, dtype=torch.long)
     mask = torch.zeros((rows, width), dtype=torch.long)
     for row in range(rows):

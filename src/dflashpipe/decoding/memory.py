@@ -56,3 +56,31 @@ def check_fit(model: nn.Module, rows: int, capacity: int, budget: int | None = N
             f"of step buffers, more than the {budget / gib:.2f} GiB budget on {device}; use "
             "fewer rows or a smaller capacity (longest prompt + max_new_tokens)"
         )
+
+
+def prefill_bytes(model: nn.Module, rows: int, width: int) -> int:
+    """The largest activations of generate()'s prefill, one forward over rows x width tokens:
+    the MLP's gate, up and activated tensors (3 x intermediate) and a few hidden-size ones
+    beside them (the residual, the normed input, the attention output: 4 x hidden). At Qwen3-8B's
+    shapes (256 rows x 1,024) one of the MLP's tensors is the 6 GiB an 80 GB card could not
+    allocate."""
+    config = model.config.get_text_config()
+    width_bytes = model.get_input_embeddings().weight.element_size()
+    return rows * width * (3 * config.intermediate_size + 4 * config.hidden_size) * width_bytes
+
+
+def generate_rows(model: nn.Module, rows: int, width: int, max_new_tokens: int,
+                  budget: int | None = None) -> int:  # fmt: skip
+    """How many of `rows` prompts padded to `width` one generate() call can decode in `budget`
+    bytes (None: MEMORY_SHARE of the device's free memory): its static cache of width +
+    max_new_tokens slots, the prefill's activations and a step's vocabulary-wide buffers grow
+    with the rows; 0 when not even one row fits."""
+    device = model.get_input_embeddings().weight.device
+    budget = int(MEMORY_SHARE * free_memory(device)) if budget is None else budget
+
+    def need(n: int) -> int:
+        cache = cache_bytes(model, n, width + max_new_tokens)
+        return cache + prefill_bytes(model, n, width) + step_bytes(model, n)
+
+    per_row = need(2) - need(1)  # every term is linear in the rows (the cache's scratch row aside)
+    return max(0, min(rows, (budget - (need(1) - per_row)) // per_row))
