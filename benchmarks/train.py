@@ -167,8 +167,10 @@ def main() -> None:
     args = ap.parse_args()
     shape = SMOKE if args.smoke else FULL
     device = torch.device("cpu" if args.smoke else "cuda")
-    res: dict = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-                 "card": card(device).describe()}
+    res: dict = {
+        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
+        "card": card(device).describe(),
+    }
     with tempfile.TemporaryDirectory() as tmp:
         shard = Path(tmp) / "shard.arrow"
         samples = random_shard(shard, shape, args.sequences)
