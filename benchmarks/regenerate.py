@@ -52,6 +52,9 @@ as regenerate's plan feeds them; every graph is captured before the timed run.
 
 Diagnostics of the generate() path (CUDA): `--profile BATCH` (where a batch's step time goes,
 torch.profiler) and `--same-answers ROWS` (float32 greedy answers of attention implementations).
+`--same-as-generate CONFIG PROMPTS --count 64`: the engine's greedy answers against generate()'s
+on a run's real prompts with the config's real target, float32 and bf16 (the GPU check of the
+stage's answers; the suite checks the same on the CPU with fewer, shorter answers).
 """
 
 from __future__ import annotations
@@ -406,6 +409,68 @@ def same_answers(device, ps, attns: list[str], new_tokens: int, width: int) -> N
               f"(float32, {new_tokens} greedy tokens)", flush=True)  # fmt: skip
 
 
+@torch.inference_mode()
+def divergence(model, prompt: list[int], ref: list[int], got: list[int]) -> dict:
+    """Where two greedy answers first differ, and how near a tie the reference's choice was
+    there: one unpadded forward of the prompt and the common part, the gap between its top two
+    logits (a gap at rounding level says the two kernels' sums rounded apart, not a bug)."""
+    k = next((i for i, (a, b) in enumerate(zip(ref, got, strict=False)) if a != b),
+             min(len(ref), len(got)))  # fmt: skip
+    ids = torch.tensor([prompt + ref[:k]], device=model.device)
+    logits = model(input_ids=ids).logits[0, -1].float()
+    top = logits.topk(2).values
+    return {"prompt_tokens": len(prompt), "position": k, "top2_gap": float(top[0] - top[1]),
+            "gap_relative": float((top[0] - top[1]) / top[0].abs())}  # fmt: skip
+
+
+def same_as_generate(config_path: str, prompts_path: str, count: int, device) -> dict:
+    """The engine's greedy answers against generate()'s (dynamic cache: transformers' own path)
+    on the first `count` prompts of a run's prompt table, with the config's target, chat
+    template, max_new_tokens and max_prompt_tokens: in float32 they must be equal; bf16 rounds a
+    batch's rows differently, so there near-tied argmaxes may flip (counted, information)."""
+    from dataclasses import replace
+
+    import pyarrow.parquet as pq
+
+    from dflashpipe.chat import encode_prompt, end_of_turn_ids
+    from dflashpipe.config import load_config
+    from dflashpipe.decoding.hf_generate import generation_config
+    from dflashpipe.target import load_target
+
+    cfg = load_config(config_path)
+    gen = replace(cfg.regenerate, cache="dynamic", temperature=0.0)
+    rows = pq.read_table(prompts_path).to_pylist()
+    out = {}
+    for dtype in ("float32", "bfloat16"):
+        model, tok = load_target(replace(cfg.target, dtype=dtype), device)
+        stops = end_of_turn_ids(tok)
+        ps = [encode_prompt(tok, r["messages"], gen.enable_thinking) for r in rows]
+        ps = [p for p in ps if len(p) <= (gen.max_prompt_tokens or len(p))][:count]
+        engine = BatchedEngine(model, len(ps), max(map(len, ps)) + gen.max_new_tokens)
+        requests = [Request(str(i), p) for i, p in enumerate(ps)]
+        mine = {a.index: (a.tokens, a.finish) for a in engine.generate(requests,
+                                                                       gen.max_new_tokens, stops)}  # fmt: skip
+        pad = tok.pad_token_id if tok.pad_token_id is not None else min(stops)
+        theirs = generate_batch(model, ps, generation_config(gen, stops, pad, model.device, False),
+                                stops, len(ps))  # fmt: skip
+        same = [list(mine[i][0]) == list(theirs[i][0]) for i in range(len(ps))]
+        out[dtype] = {"prompts": len(ps), "same": sum(same),
+                      "tokens": sum(len(t) for t, _ in theirs),
+                      "stopped": sum(f == "stop" for _, f in theirs),
+                      "divergences": [divergence(model, ps[i], list(theirs[i][0]), list(mine[i][0]))
+                                      for i in range(len(ps)) if not same[i]]}  # fmt: skip
+        print(f"{dtype}: the engine's greedy answers equal generate()'s on {sum(same)} of "
+              f"{len(ps)} prompts ({out[dtype]['stopped']} stopped before {gen.max_new_tokens} "
+              "tokens)", flush=True)  # fmt: skip
+        for d in out[dtype]["divergences"][:8]:
+            print(f"  prompt of {d['prompt_tokens']} tokens: first differs at answer token "
+                  f"{d['position']}, where generate()'s top two logits are {d['top2_gap']:.3g} "
+                  f"apart ({d['gap_relative']:.2g} of the top logit)", flush=True)  # fmt: skip
+        del engine, model
+        gc.collect()
+    return out
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
@@ -436,10 +501,19 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--same-answers", type=int, default=0, metavar="ROWS",
                     help="instead: compare --attns' float32 greedy answers on ROWS prompts")  # fmt: skip
     ap.add_argument("--attns", nargs="+", default=["sdpa", "hf_sdpa"])
+    ap.add_argument("--same-as-generate", nargs=2, metavar=("CONFIG", "PROMPTS"),
+                    help="instead: the engine's greedy answers against generate()'s on the first "
+                    "--count prompts of a run's prompt table (float32 and bf16)")  # fmt: skip
+    ap.add_argument("--count", type=int, default=64, help="--same-as-generate's prompts")
     ap.add_argument("--new-tokens", type=int, default=64, help="--profile / --same-answers")
     args = ap.parse_args(argv)
     cpu = args.smoke or args.tiny_model or not torch.cuda.is_available()
     device = torch.device("cpu" if cpu else "cuda")
+    if args.same_as_generate:
+        res = same_as_generate(*args.same_as_generate, args.count, device)
+        if args.out:
+            Path(args.out).write_text(json.dumps(res, indent=2))
+        return []
     if args.profile or args.same_answers or args.profile_engine:
         lengths = str(HERE / "smollm2-sharegpt-prompt-lengths.json")
         n = max(args.profile, args.same_answers, args.profile_engine)

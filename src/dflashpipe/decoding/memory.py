@@ -20,7 +20,7 @@ def cache_bytes(model: nn.Module, rows: int, capacity: int) -> int:
     """The static cache: rows x capacity x layers x 2 (K, V) x kv_heads x head_dim x dtype
     bytes (plus the scratch row)."""
     _, kv_heads, head_dim = head_shape(model.config)
-    layers = len(model.get_decoder().layers)
+    layers = model.config.get_text_config().num_hidden_layers  # any family (generate()'s too)
     size = model.get_input_embeddings().weight.element_size()
     return (rows + 1) * capacity * layers * 2 * kv_heads * head_dim * size
 
@@ -65,8 +65,10 @@ def prefill_bytes(model: nn.Module, rows: int, width: int) -> int:
     shapes (256 rows x 1,024) one of the MLP's tensors is the 6 GiB an 80 GB card could not
     allocate."""
     config = model.config.get_text_config()
-    width_bytes = model.get_input_embeddings().weight.element_size()
-    return rows * width * (3 * config.intermediate_size + 4 * config.hidden_size) * width_bytes
+    hidden = config.hidden_size
+    mlp = getattr(config, "intermediate_size", None) or 4 * hidden  # GPT-2's n_inner: None
+    size = model.get_input_embeddings().weight.element_size()
+    return rows * width * (3 * mlp + 4 * hidden) * size
 
 
 def generate_rows(model: nn.Module, rows: int, width: int, max_new_tokens: int,
