@@ -17,6 +17,7 @@ from dflashpipe.chat import (
     apply_template_choice,
     encode_chat,
     encode_prompt,
+    encode_prompts,
     end_of_turn_ids,
     prompt_format,
 )
@@ -332,3 +333,17 @@ def test_chat_template_choice(smollm2, tmp_path):
 def test_prompt_must_not_end_with_an_answer(smollm2):
     with pytest.raises(DataError, match="ends with an assistant turn"):
         encode_prompt(smollm2, [user("Hi"), assistant("Hello.")])
+
+
+def test_prompts_encoded_together_are_those_encoded_one_by_one(smollm2, base_model):
+    """encode_prompts (one tokenizer call for all, as regenerate encodes a shard) gives each
+    conversation the ids its own rendering and tokenization give, chat template or plain text."""
+    chats = [[user("Hi.")], [{"role": "system", "content": "Be terse."}, user("2+2?")],
+             [user("Name a fruit."), assistant("Apple."), user("Another one, longer: " * 9)]]  # fmt: skip
+    expected = [smollm2(smollm2.apply_chat_template(m, tokenize=False, add_generation_prompt=True),
+                        add_special_tokens=False)["input_ids"] for m in chats]  # fmt: skip
+    assert encode_prompts(smollm2, chats) == expected
+    assert len({len(ids) for ids in expected}) == 3 and encode_prompts(smollm2, []) == []
+    texts = ["def f():", "x = 1\ny = 2"]
+    plain = encode_prompts(base_model, [[user(t)] for t in texts])
+    assert plain == [base_model(t)["input_ids"] for t in texts] and plain[0][0] == 0

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Prepares, on a machine that reaches PyPI and has resources/ retrieved (`snakemake --cores 1
 # resources --configfile configs/smollm2-sharegpt.yaml`), what a GPU machine without network
-# needs to run benchmarks/quality.py, in three parts of under 64 MiB each (one per transfer):
-#   .remote/a: the wheels that machine lacks (wheels.txt, Python 3.12), ShareGPT (zstd), GGUF part 0
-#   .remote/b: GGUF part 1, HumanEval
-#   .remote/c: the code prompts' wheels (resources/code/; the recipe's five code sources)
+# needs to run benchmarks/quality.py, in two parts of under 64 MiB each with the working tree
+# (one per transfer), so the second call can already start the recipe:
+#   .remote/a: the wheels that machine lacks (wheels.txt, Python 3.12), ShareGPT (zstd),
+#              HumanEval, the code prompts' wheels (resources/code/), the GGUF's zstd stream's head
+#   .remote/b: the rest of the GGUF's zstd stream (SmolLM2's Q4_1 GGUF: 98.4 MB, 90.1 MB in zstd)
 # There: `. benchmarks/remote/setup.sh` after each part arrives (it assembles resources/ under
 # /tmp/res once both are there), then `setsid bash benchmarks/remote/bg.sh bf16 ...` starts the
 # runs in the background and `bash benchmarks/remote/mon.sh SECONDS` follows them.
@@ -44,17 +45,21 @@ if [ "${1:-}" = answers ]; then
   done
   du -sh $R/k*; exit 0
 fi
-rm -rf $R && mkdir -p $R/a/whl $R/b $R/c
+rm -rf $R && mkdir -p $R/a/whl $R/b
 wheels=$(grep -v '^connection-pool' benchmarks/remote/wheels.txt)
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux2014_x86_64 --platform any -d $R/a/whl $wheels
 python3 -m pip wheel -q --no-deps -w $R/a/whl "$(grep '^connection-pool' benchmarks/remote/wheels.txt)"
-python3 -c "import sys, zstandard; zstandard.ZstdCompressor(level=19, threads=-1).copy_stream(open(sys.argv[1], 'rb'), open(sys.argv[2], 'wb'))" \
-    resources/sharegpt/ShareGPT_V3_unfiltered_cleaned_split.json $R/a/sharegpt.json.zst
+zst() { python3 -c "import sys, zstandard; zstandard.ZstdCompressor(level=19, threads=-1).copy_stream(open(sys.argv[1], 'rb'), open(sys.argv[2], 'wb'))" "$1" "$2"; }
+zst resources/sharegpt/ShareGPT_V3_unfiltered_cleaned_split.json $R/a/sharegpt.json.zst
+cp resources/humaneval/HumanEval.jsonl.gz $R/a/
+cp resources/code/*.whl $R/a/
 G=resources/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
-head -c 35000000 $G > $R/a/gguf.0
-tail -c +35000001 $G > $R/b/gguf.1
-cp resources/humaneval/HumanEval.jsonl.gz $R/b/
-cp resources/code/*.whl $R/c/
-du -sh $R/a $R/b $R/c
+zst $G $R/gguf.zst
+# the stream's head fills part a up to half of everything; part b takes its tail
+head_bytes=$(( ($(du -sb $R/a | cut -f1) + $(stat -c %s $R/gguf.zst)) / 2 - $(du -sb $R/a | cut -f1) ))
+head -c $head_bytes $R/gguf.zst > $R/a/gguf.zst.0
+tail -c +$((head_bytes + 1)) $R/gguf.zst > $R/b/gguf.zst.1
+rm $R/gguf.zst
+du -sb $R/a $R/b

@@ -9,7 +9,7 @@ if [ -d .remote/a/whl ] && [ ! -f /tmp/site/.done ]; then
 fi
 [ -x /tmp/bin/python ] || { printf '#!/bin/sh\nexec python3 "$@"\n' > /tmp/bin/python; chmod +x /tmp/bin/python; }
 export PATH=/tmp/bin:/tmp/site/bin:$PATH PYTHONPATH=/tmp/site:$PWD/src
-for d in .remote/a .remote/b .remote/c .remote/k* .remote/g*; do [ -d $d ] && find $d -maxdepth 1 -type f -exec cp --update=none {} /tmp/xfer/ \;; done
+for d in .remote/a .remote/b .remote/k* .remote/g*; do [ -d $d ] && find $d -maxdepth 1 -type f -exec cp --update=none {} /tmp/xfer/ \;; done
 # torch.compile's bundles: an earlier machine's (pack.sh compile) loaded, this machine's saved here
 export DFLASHPIPE_COMPILE_CACHE=/tmp/cc
 mkdir -p /tmp/cc && { [ -d .remote/cc ] && cp --update=none .remote/cc/*.torchcompile /tmp/cc/ 2>/dev/null; true; }
@@ -20,12 +20,14 @@ if [ ! -f $GG ] && [ "$(ls /tmp/xfer/gemma.gguf.[0-4] 2>/dev/null | wc -l)" = 5 
   else echo "setup.sh: the joined Gemma GGUF does not match its sha256; parts left in /tmp/xfer" >&2; rm $GG.tmp; fi
 fi
 G=/tmp/res/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
-if [ ! -f $G ] && [ -f /tmp/xfer/gguf.0 ] && [ -f /tmp/xfer/gguf.1 ]; then cat /tmp/xfer/gguf.0 /tmp/xfer/gguf.1 > $G.tmp && mv $G.tmp $G; fi
+if [ ! -f $G ] && [ -f /tmp/xfer/gguf.zst.0 ] && [ -f /tmp/xfer/gguf.zst.1 ]; then
+  cat /tmp/xfer/gguf.zst.0 /tmp/xfer/gguf.zst.1 | python3 -c "import sys, zstandard; zstandard.ZstdDecompressor().copy_stream(sys.stdin.buffer, open(sys.argv[1], 'wb'))" $G.tmp && mv $G.tmp $G
+fi
 S=/tmp/res/sharegpt/ShareGPT_V3_unfiltered_cleaned_split.json
 if [ ! -f $S ] && [ -f /tmp/xfer/sharegpt.json.zst ]; then
   python3 -c "import zstandard,sys; zstandard.ZstdDecompressor().copy_stream(open(sys.argv[1],'rb'), open(sys.argv[2],'wb'))" /tmp/xfer/sharegpt.json.zst $S.tmp && mv $S.tmp $S
 fi
-[ -f /tmp/xfer/HumanEval.jsonl.gz ] && cp --update=none /tmp/xfer/HumanEval.jsonl.gz /tmp/res/humaneval/
+[ -f /tmp/xfer/HumanEval.jsonl.gz ] && cp --update=none /tmp/xfer/HumanEval.jsonl.gz /tmp/res/humaneval/ || true
 for w in /tmp/xfer/*-py3-none-any.whl; do [ -f "$w" ] && cp --update=none "$w" /tmp/res/code/; done
 [ -e resources ] || ln -s /tmp/res resources
 (cd /tmp/res && sha256sum smollm2/* sharegpt/* humaneval/* code/* gemma3/* 2>/dev/null)

@@ -79,11 +79,28 @@ def encode_prompt(
 ) -> list[int]:
     """Token ids the target sees before it answers: the conversation rendered with
     add_generation_prompt=True (plain text: the user message's text)."""
-    _check_messages(tokenizer, messages, answered=False)
+    return encode_prompts(tokenizer, [messages], enable_thinking)[0]
+
+
+def encode_prompts(
+    tokenizer: Any, conversations: list[list[dict]], enable_thinking: bool | None = None
+) -> list[list[int]]:
+    """encode_prompt of many conversations: each rendered, all tokenized in one call, which a
+    fast tokenizer spreads over its threads (regenerate encodes a whole shard's prompts before
+    its GPU decodes any). The template's generation prompt is checked on the first."""
+    for messages in conversations:
+        _check_messages(tokenizer, messages, answered=False)
     if prompt_format(tokenizer) == PLAIN:
-        return list(tokenizer(_plain_text(tokenizer, messages))["input_ids"])
+        texts = [_plain_text(tokenizer, messages) for messages in conversations]
+        return [list(ids) for ids in tokenizer(texts)["input_ids"]] if texts else []
     kwargs = _template_kwargs(enable_thinking)
-    return _tokenize(tokenizer, _prompt_text(tokenizer, messages, kwargs))
+    texts = [
+        _prompt_text(tokenizer, messages, kwargs)
+        if k == 0
+        else _render(tokenizer, messages, True, kwargs)
+        for k, messages in enumerate(conversations)
+    ]
+    return _tokenize_all(tokenizer, texts)
 
 
 def encode_chat(
@@ -212,10 +229,16 @@ def _render(tok: Any, messages: list[dict], generation_prompt: bool, kwargs: dic
 
 
 def _tokenize(tok: Any, text: str) -> list[int]:
+    return _tokenize_all(tok, [text])[0]
+
+
+def _tokenize_all(tok: Any, texts: list[str]) -> list[list[int]]:
     # The template owns the special tokens, as in apply_chat_template(tokenize=True) and vLLM:
     # with add_special_tokens=True a tokenizer that adds BOS would double a template's
     # {{ bos_token }} (SmolLM2's BOS is <|im_start|>, the opener of every turn).
-    return list(tok(text, add_special_tokens=False)["input_ids"])
+    if not texts:
+        return []
+    return [list(ids) for ids in tok(texts, add_special_tokens=False)["input_ids"]]
 
 
 def _template_kwargs(enable_thinking: bool | None) -> dict:

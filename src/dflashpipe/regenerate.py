@@ -38,7 +38,7 @@ import torch
 from tqdm import tqdm
 
 from dflashpipe import faults
-from dflashpipe.chat import encode_chat, encode_prompt, end_of_turn_ids
+from dflashpipe.chat import encode_chat, encode_prompt, encode_prompts, end_of_turn_ids
 from dflashpipe.config import Config, RegenerateConfig
 from dflashpipe.decoding.hf_generate import (
     fitting_rows,
@@ -221,7 +221,7 @@ def regenerate_rows(rows, model, tok, gen: RegenerateConfig, budget: int, parts:
     batches (static: part files) have run. `target` (the target's identity) joins the plan."""
     eot = end_of_turn_ids(tok)
     t = time.perf_counter()
-    prompts = [encode_prompt(tok, r["messages"], gen.enable_thinking) for r in rows]
+    prompts = encode_prompts(tok, [r["messages"] for r in rows], gen.enable_thinking)
     log.info("%d prompts encoded in %.1f s", len(prompts), time.perf_counter() - t)
     longest = min(budget - 1, gen.max_prompt_tokens or budget)
     keep = [i for i, p in enumerate(prompts) if len(p) <= longest]
