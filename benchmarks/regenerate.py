@@ -423,7 +423,8 @@ def divergence(model, prompt: list[int], ref: list[int], got: list[int]) -> dict
             "gap_relative": float((top[0] - top[1]) / top[0].abs())}  # fmt: skip
 
 
-def same_as_generate(config_path: str, prompts_path: str, count: int, device) -> dict:
+def same_as_generate(config_path: str, prompts_path: str, count: int, device,
+                     dtypes: tuple[str, ...] = ("float32", "bfloat16")) -> dict:  # fmt: skip
     """The engine's greedy answers against generate()'s (dynamic cache: transformers' own path)
     on the first `count` prompts of a run's prompt table, with the config's target, chat
     template, max_new_tokens and max_prompt_tokens: in float32 they must be equal; bf16 rounds a
@@ -441,7 +442,7 @@ def same_as_generate(config_path: str, prompts_path: str, count: int, device) ->
     gen = replace(cfg.regenerate, cache="dynamic", temperature=0.0)
     rows = pq.read_table(prompts_path).to_pylist()
     out = {}
-    for dtype in ("float32", "bfloat16"):
+    for dtype in dtypes:
         model, tok = load_target(replace(cfg.target, dtype=dtype), device)
         stops = end_of_turn_ids(tok)
         ps = [encode_prompt(tok, r["messages"], gen.enable_thinking) for r in rows]
@@ -505,12 +506,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     help="instead: the engine's greedy answers against generate()'s on the first "
                     "--count prompts of a run's prompt table (float32 and bf16)")  # fmt: skip
     ap.add_argument("--count", type=int, default=64, help="--same-as-generate's prompts")
+    ap.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"],
+                    choices=["float32", "bfloat16"], help="--same-as-generate's precisions")  # fmt: skip
     ap.add_argument("--new-tokens", type=int, default=64, help="--profile / --same-answers")
     args = ap.parse_args(argv)
     cpu = args.smoke or args.tiny_model or not torch.cuda.is_available()
     device = torch.device("cpu" if cpu else "cuda")
     if args.same_as_generate:
-        res = same_as_generate(*args.same_as_generate, args.count, device)
+        res = same_as_generate(*args.same_as_generate, args.count, device, tuple(args.dtypes))
         if args.out:
             Path(args.out).write_text(json.dumps(res, indent=2))
         return []

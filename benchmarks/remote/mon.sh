@@ -4,7 +4,8 @@
 # KEEP="main stdlib-answers" also brings those runs' regenerated answers back in $OUT (parts of
 # <= 15 MB in /tmp/q/keep, quality.py --keep; the first 4 beside the (up to four) other files it
 # returns, the rest named for a later call to copy). CC=1 also returns the torch.compile bundles
-# the runs saved (/tmp/cc: `pack.sh compile DIR` carries them to the next machine).
+# the runs saved (/tmp/cc, as one zstd tar cc.tar.zst: `pack.sh compile DIR` carries them to the
+# next machine).
 cd "$(dirname "$0")/../.." && . benchmarks/remote/setup.sh >/dev/null
 end=$((SECONDS + $1))
 if ! ls -d /tmp/runs/quality-* >/dev/null 2>&1; then  # a fresh machine: the warm one was handed back
@@ -29,7 +30,10 @@ python3 benchmarks/quality.py --table --runs /tmp/runs --out $OUT/rows.json --bu
 cat /tmp/q/*.out > $OUT/drivers.out 2>/dev/null
 [ -f /tmp/q/steps.json ] && cp /tmp/q/steps.json $OUT/  # bg.sh STEPS=...
 if [ -n "${CC:-}" ] && ls /tmp/cc/*.torchcompile >/dev/null 2>&1; then  # CC=1: the compile bundles
-  mkdir -p $OUT/cc && cp /tmp/cc/*.torchcompile $OUT/cc/ && du -sh $OUT/cc
+  # in one zstd tar: they shrink about 29x (regenerate's 14.4 MB to 0.5 MB), under a returned
+  # file's 16 MiB and a carry's 64 MiB together
+  (cd /tmp/cc && tar cf - *.torchcompile) | python3 -c "import sys, zstandard; zstandard.ZstdCompressor(level=9, threads=-1).copy_stream(sys.stdin.buffer, open(sys.argv[1], 'wb'))" $OUT/cc.tar.zst
+  ls /tmp/cc/*.torchcompile | xargs -n1 basename; du -sh $OUT/cc.tar.zst
 fi
 if [ -n "${KEEP:-}" ]; then   # a call returns 8 files: 4 parts here, the rest on later calls
   python3 benchmarks/quality.py $KEEP --runs /tmp/runs --table --keep /tmp/q/keep >/dev/null

@@ -16,8 +16,9 @@
 # `pack.sh gemma`: Gemma 3 270M's GGUF (configs/gemma3-270m-quality.yaml, 253 MB, retrieved
 # here) in five parts .remote/g1..g5 of about 51 MB, one carry each, beside a/b/c's wheels and
 # prompts; setup.sh joins them once all five are there and checks the config's sha256.
-# `pack.sh compile DIR...`: the compile-cache bundles (*.torchcompile) an earlier machine saved
-# (mon.sh returns them) into .remote/cc; setup.sh puts them where DFLASHPIPE_COMPILE_CACHE points.
+# `pack.sh compile DIR...`: the compile-cache bundles an earlier machine saved (mon.sh CC=1
+# returns them as DIR/cc.tar.zst, a few MB) into .remote/cc, carried beside a part or alone;
+# setup.sh unpacks them where DFLASHPIPE_COMPILE_CACHE points.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 R=.remote
@@ -32,8 +33,8 @@ if [ "${1:-}" = gemma ]; then
   du -sh $R/g*; exit 0
 fi
 if [ "${1:-}" = compile ]; then
-  shift; rm -rf $R/cc && mkdir -p $R/cc
-  for d in "$@"; do cp "$d"/*.torchcompile $R/cc/; done
+  shift; rm -rf $R/cc && mkdir -p $R/cc; n=0
+  for d in "$@"; do n=$((n + 1)); cp "$d"/cc.tar.zst $R/cc/cc-$n.tar.zst; done
   du -sh $R/cc; exit 0
 fi
 if [ "${1:-}" = answers ]; then

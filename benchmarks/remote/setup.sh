@@ -12,7 +12,10 @@ export PATH=/tmp/bin:/tmp/site/bin:$PATH PYTHONPATH=/tmp/site:$PWD/src
 for d in .remote/a .remote/b .remote/k* .remote/g*; do [ -d $d ] && find $d -maxdepth 1 -type f -exec cp --update=none {} /tmp/xfer/ \;; done
 # torch.compile's bundles: an earlier machine's (pack.sh compile) loaded, this machine's saved here
 export DFLASHPIPE_COMPILE_CACHE=/tmp/cc
-mkdir -p /tmp/cc && { [ -d .remote/cc ] && cp --update=none .remote/cc/*.torchcompile /tmp/cc/ 2>/dev/null; true; }
+mkdir -p /tmp/cc
+for f in .remote/cc/*.tar.zst; do
+  [ -f "$f" ] && python3 -c "import sys, zstandard; zstandard.ZstdDecompressor().copy_stream(open(sys.argv[1], 'rb'), sys.stdout.buffer)" "$f" | tar x --skip-old-files -C /tmp/cc
+done
 GG=/tmp/res/gemma3/gemma-3-270m-q4_k_m.gguf
 if [ ! -f $GG ] && [ "$(ls /tmp/xfer/gemma.gguf.[0-4] 2>/dev/null | wc -l)" = 5 ]; then
   mkdir -p /tmp/res/gemma3 && cat /tmp/xfer/gemma.gguf.[0-4] > $GG.tmp
