@@ -276,7 +276,7 @@ def small_default_config(path: Path) -> Path:
     raw["prompts"]["max_train"] = 8
     raw["regenerate"].update(max_new_tokens=8, batch_size=4, save_every=4)
     raw["train"].update(max_steps=3, log_every=1, num_workers=1)
-    raw["evaluate"].update(num_prompts=2, max_new_tokens=8, tree_nodes=[4])  # one DDTree budget
+    raw["evaluate"].update(num_prompts=2, max_new_tokens=8)
     return write_yaml(path, raw)
 
 

@@ -352,3 +352,27 @@ def test_lossless_prompts_checks_the_first_prompts_alone(
     assert metrics["lossless_prompts"] == 2 and metrics["lossless_fraction"] == 1.0
     assert metrics["ddtree"]["4"]["lossless_fraction"] == 1.0
     assert all(r["acceptance_length"] is not None for r in metrics["responses"])
+
+
+def test_the_best_prompt_lookup_fits_the_engine_without_ddtree(
+    target_config, tiny_target_dir, tmp_path
+):
+    """The sweep's best prompt lookup may draft 16 tokens where the configured one drafts 10:
+    the engine's buffers make room for it even where no DDTree budget or larger block widens
+    them (the CPU default's evaluate stopped on its longest prompt so)."""
+    from dflashpipe.decoding.lookup import LookupConfig
+    from dflashpipe.decoding.runner import Decoders
+    from dflashpipe.evaluate import load_models, slack
+
+    ev = EvaluateConfig(methods=["target", "dflash", "prompt_lookup"], max_new_tokens=8)
+    assert slack(ev, BLOCK) == 17
+    assert slack(EvaluateConfig(methods=ev.methods, prompt_lookup_sweep=False), BLOCK) == 11
+    drafter_dir = _export(target_config, tmp_path / "drafter")
+    model, _, drafter = load_models(
+        TargetConfig(model=str(tiny_target_dir)), drafter_dir, torch.device("cpu")
+    )
+    ids = [5, 6, 7, 5, 6, 7, 5, 6]
+    decoders = Decoders(model, drafter, ev.methods, "auto", len(ids) + 8 + slack(ev, BLOCK))
+    best = LookupConfig(16, 2, "earliest", "all")  # the grid's most drafts
+    [out] = decoders.lookup_all([({}, ids)], [best], 8, set(), "best")
+    assert len(out.output_ids) == 8

@@ -67,6 +67,23 @@ def test_held_out_measurements_are_plotted_and_summarized(tmp_path):
     assert mpimg.imread(tmp_path / "report" / "acceptance.png").shape[0] > 100
 
 
+@pytest.mark.parametrize("tokens, said", [(18_214, True), (11_000_000, False)])
+def test_a_drafter_trained_on_few_tokens_is_called_a_demonstration(tmp_path, tokens, said):
+    """The embedded default's drafter (about 18K tokens) is no useful drafter, and the report
+    says so and names the GPU recipe; one trained on the recipe's 11 M tokens gets no such word."""
+    paths = _inputs(tmp_path)
+    rows = [json.loads(line) for line in (tmp_path / "train.jsonl").read_text().splitlines()]
+    rows[-1].update(train_samples=95, train_tokens=tokens)
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run(*paths, str(tmp_path / "report"), str(tmp_path / "report.md"))
+    md = (tmp_path / "report.md").read_text()
+    sentence = (
+        f"This drafter trained on {tokens:,} tokens an epoch, a demonstration of the pipeline"
+    )
+    assert (sentence in md) is said
+    assert ("`configs/smollm2-sharegpt.yaml`" in md) is said
+
+
 def test_paired_counts_and_extra_features_are_summarized(tmp_path):
     paths = _inputs(tmp_path)
     ev = json.loads((tmp_path / "eval.json").read_text())

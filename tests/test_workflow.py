@@ -97,7 +97,9 @@ def test_workflow_outputs(default_workflow):
     evaluation = json.loads((work / "results" / "eval" / "metrics.json").read_text())
     assert evaluation["lossless_fraction"] == 1.0 and evaluation["acceptance_length"] >= 1
     assert evaluation["baseline"]["prompt_lookup"]["acceptance_length"] >= 1
-    assert "lossless fraction (float32): **1.000**" in (work / "results" / "report.md").read_text()
+    report = (work / "results" / "report.md").read_text()
+    assert "lossless fraction (float32): **1.000**" in report
+    assert "a demonstration of the pipeline" in report  # and names the GPU recipe (test_report)
     # --report and the rerun write only .snakemake metadata and report.html, which no other
     # test of the shared run reads
     snakemake(work, "--report", "report.html", "--configfile", str(config))

@@ -448,11 +448,14 @@ class EvaluateConfig:
                 "(the speedups' baseline and the headline figures)"
             )
 
-    def slack(self, block_size: int) -> int:
+    def slack(self, block_size: int, swept_drafts: int = 0) -> int:
         """Positions past the committed length that one step may write: a block, a tree of the
-        largest budget plus its root, or the anchor and prompt lookup's drafts."""
+        largest budget plus its root, or the anchor and prompt lookup's drafts (with the sweep
+        on, each source's best configuration is decoded too: up to `swept_drafts`, the most its
+        grid drafts)."""
         trees = max(self.tree_nodes) + 1 if "ddtree" in self.methods else 0
-        lookup = self.prompt_lookup_num_tokens + 1 if "prompt_lookup" in self.methods else 0
+        drafts = max(self.prompt_lookup_num_tokens, swept_drafts if self.prompt_lookup_sweep else 0)
+        lookup = drafts + 1 if "prompt_lookup" in self.methods else 0
         return max(block_size, trees, lookup)
 
 

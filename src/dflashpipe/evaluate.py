@@ -61,6 +61,13 @@ def configured_lookup(ev: EvaluateConfig) -> LookupConfig:
     )  # fmt: skip
 
 
+def slack(ev: EvaluateConfig, block_size: int) -> int:
+    """EvaluateConfig.slack with prompt lookup's grid: its best configurations may draft more
+    than the configured one (16 against 10), which overran the engine's buffers once DDTree's
+    larger steps no longer widened them."""
+    return ev.slack(block_size, max(c.num_drafts for c in GRID))
+
+
 def read_drafter_config(drafter_dir: str | Path) -> DrafterConfig:
     path = Path(drafter_dir) / CONFIG_NAME
     if not path.is_file():
@@ -177,7 +184,7 @@ def decode_and_check(
     and DDTree per budget, the engine used and the prompt-lookup sweep's replays on the
     target-only outputs (Responses)."""
     n = ev.max_new_tokens
-    max_len = max(len(ids) for _, ids in prompts) + n + ev.slack(drafter.config.block_size)
+    max_len = max(len(ids) for _, ids in prompts) + n + slack(ev, drafter.config.block_size)
 
     def decoders(methods: list[str], compile: bool | None = None) -> Decoders:
         return Decoders(
@@ -233,9 +240,11 @@ def best_lookups(
 
 
 def _decode_slice(target_cfg: TargetConfig, drafter_dir: str, device: str, prompts: list,
-                  ev: EvaluateConfig, stop_ids: set[int], worker: str) -> Responses:  # fmt: skip
-    """One worker process: its own copy of the models, one slice of the prompts."""
-    torch.set_num_threads(1)  # the processes share the machine's cores
+                  ev: EvaluateConfig, stop_ids: set[int], worker: str,
+                  threads: int = 1) -> Responses:  # fmt: skip
+    """One worker process: its own copy of the models, one slice of the prompts, `threads` its
+    share of the cores."""
+    torch.set_num_threads(threads)
     model, _, drafter = load_models(target_cfg, drafter_dir, torch.device(device))
     return decode_and_check(model, drafter, prompts, ev, stop_ids, worker)
 
@@ -255,6 +264,14 @@ def decode_in_workers(
     if workers == 1:
         return decode_and_check(model, drafter, prompts, ev, stop_ids)
     slices = [prompts[k::workers] for k in range(workers)]
+    # Every process keeps to its share of the cores (this one too): a thread more makes OpenMP
+    # spin against its neighbours. On a CPU, one sequence decodes about as fast on one thread as
+    # on two (benchmarks/RESULTS.md, "evaluate on 2 CPU cores"), so two processes of one thread
+    # decode twice the prompts; on a GPU each process needs one thread to launch kernels.
+    threads = 1
+    if model.device.type == "cpu":
+        threads = max(1, torch.get_num_threads() // workers)
+        torch.set_num_threads(threads)
     checked = (
         len(prompts) if ev.lossless_prompts is None else min(ev.lossless_prompts, len(prompts))
     )
@@ -263,7 +280,7 @@ def decode_in_workers(
     with ProcessPoolExecutor(workers - 1, mp_context=get_context("spawn")) as pool:
         args = (target_cfg, str(drafter_dir), str(model.device))
         futures = [
-            pool.submit(_decode_slice, *args, part, evs[k], stop_ids, f" [{k}/{workers}]")
+            pool.submit(_decode_slice, *args, part, evs[k], stop_ids, f" [{k}/{workers}]", threads)
             for k, part in enumerate(slices[1:], start=1)
         ]
         parts = [decode_and_check(model, drafter, slices[0], evs[0], stop_ids, f" [0/{workers}]")]
@@ -336,7 +353,7 @@ def run(
             "(max_position_embeddings of the target and drafter)"
         )
     skipped: Counter = Counter(prompt_too_long=0, template_error=0)
-    prompts = encode_rows(rows, tok, ev, context, ev.slack(cfg.block_size), skipped)
+    prompts = encode_rows(rows, tok, ev, context, slack(ev, cfg.block_size), skipped)
     if not prompts:
         raise DataError(
             f"none of the {len(rows)} eval prompts of {prompts_path} can be decoded "
