@@ -93,6 +93,7 @@ def test_paired_counts_and_extra_features_are_summarized(tmp_path):
         best_per_source={"humaneval": "latest n<=3 k=16 all"},
         best="latest n<=3 k=16 all",
         configured="earliest n<=2 k=10 all",
+        configured_speedup=1.1,
     )
     (tmp_path / "eval.json").write_text(json.dumps(ev))
     extra = {"totals": {"samples": 7, "tokens": 300, "bytes": 5e5}, "codec": "fp8-zstd"}
@@ -102,7 +103,8 @@ def test_paired_counts_and_extra_features_are_summarized(tmp_path):
     assert "| humaneval | 2.750 | 2.500 | `latest n<=3 k=16 all` | 3 of 4 |" in md
     assert "| sharegpt | 2.250 | 2.000 | - | - |" in md  # no configuration, no paired count
     assert "(prompt lookup at its best: 1.900, `latest n<=3 k=16 all`)" in md
-    assert "(prompt lookup `earliest n<=2 k=10 all`: 1.30x)" in md
+    # the timed best's speedup under its own name, the configured one's under the configured name
+    assert "(prompt lookup at its best: 1.30x; configured `earliest n<=2 k=10 all`: 1.10x)" in md
     assert "- features: 10 samples, 500 tokens, 1.0 MB (bf16-zstd), layers [1, 2] of tiny" in md
     assert f"- train.extra_features {tmp_path / 'code.json'}: 7 samples, 300 tokens, 0.5 MB" in md
     with pytest.raises(DataError, match="not found"):
