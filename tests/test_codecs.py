@@ -1,8 +1,20 @@
 import pytest
 import torch
 
-from dflashpipe.codecs import CODECS, decode, decode_topk, encode, pack, pack_topk
-from dflashpipe.errors import DataError
+from dflashpipe.codecs import (
+    CODECS,
+    E2M1_LEVELS,
+    check_group,
+    decode,
+    decode_topk,
+    dequantize,
+    dequantize_4bit,
+    encode,
+    pack,
+    pack_topk,
+    quantize_4bit,
+)
+from dflashpipe.errors import ConfigError, DataError
 
 
 def _block(T=37, L=3, H=64, seed=0):
@@ -57,7 +69,7 @@ def test_wrong_input_and_codec():
         encode(torch.zeros(2, 4), "raw", 1)
     with pytest.raises(ValueError, match="unknown codec"):
         encode(torch.zeros(2, 4, dtype=torch.bfloat16), "gzip", 1)
-    assert set(CODECS) == {"raw", "bf16-zstd", "fp8-zstd"}
+    assert set(CODECS) == {"raw", "bf16-zstd", "fp8-zstd", "int4-zstd"}
 
 
 @pytest.mark.parametrize("codec", CODECS)
@@ -117,3 +129,88 @@ def test_fp8_decode_equals_torchs_cast_bit_for_bit(width):
     part = torch.empty(7, width, dtype=torch.bfloat16)
     decode(enc, "fp8-zstd", T, width, n_layers, out=part)
     assert torch.equal(part.view(torch.int16), want[:7].view(torch.int16))
+
+
+def _massive(T=24, L=2, H=128, G=32, seed=0):
+    """States with a massive-activation channel (500x the others) in layer 0, every token."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, L, H, generator=g)
+    x[:, 0, 5] = 500.0
+    x[0] = 0  # an all-zero token
+    return x.reshape(T, L * H).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("group", [16, 32, 64])
+def test_int4_error_is_bounded_per_group_and_an_outlier_stays_in_its_group(group):
+    block = _massive(G=group)
+    enc = encode(block, "int4-zstd", n_layers=2, group_size=group)
+    out = decode(enc, "int4-zstd", 24, 256, 2, group_size=group).float()
+    ref = block.float()
+    err = (out - ref).abs().view(24, -1, group)
+    amax = ref.abs().view(24, -1, group).amax(-1, keepdim=True)
+    # half a step of amax / 7, a scale rounded to e4m3 (<= 1/16 of it), the result's bf16 rounding
+    assert (err <= amax * (1 / 14 + 1 / 16) + ref.abs().view_as(err) * 2**-8 + 1e-30).all()
+    assert torch.equal(out[0], torch.zeros(256))
+    # the other groups of layer 0 keep their own step: a per-token scale (500 / 7 a step) would
+    # round them all to 0, an error as large as the states
+    others = (out - ref).view(24, 2, 128)[:, 0, group:]
+    assert others.norm() < 0.2 * ref.view(24, 2, 128)[:, 0, group:].norm()
+    # 4-bit codes + one scale byte per group + a float32 per token and layer, before zstd
+    assert len(enc.hidden) + len(enc.scales) <= 24 * (128 + 256 // group + 8) + 64
+
+
+def test_int4_decode_equals_the_grid_times_the_scales():
+    """Every code decodes to its grid value times its group's scale (low nibble first): the
+    integer grid as 4-bit two's complement (a zero byte is two zeros), e2m1 in the same order."""
+    T, L, H, G = 4, 1, 32, 16
+    codes = torch.arange(T * L * H).remainder(16).to(torch.uint8).view(T, L * H)
+    packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
+    inner = torch.tensor([[1.0, 2.0]] * T).to(torch.float8_e4m3fn).view(torch.uint8)
+    outer = torch.full((T, L), 0.5)
+    got = dequantize_4bit(packed.numpy(), inner.numpy(), outer.numpy(), G)
+    signed = torch.where(codes >= 8, codes.float() - 16, codes.float())
+    signed[codes == 8] = 0  # never written
+    want = signed * torch.tensor([0.5] * 16 + [1.0] * 16)
+    assert torch.equal(torch.from_numpy(got), want)
+    stored = (torch.from_numpy(packed.numpy()), inner, outer)
+    assert torch.equal(
+        dequantize(stored, "int4-zstd").view(torch.int16), want.bfloat16().view(torch.int16)
+    )
+    e2m1 = dequantize_4bit(packed.numpy(), inner.numpy(), outer.numpy(), G, E2M1_LEVELS)
+    order = [E2M1_LEVELS[(c + 7) % 16] if c != 8 else 0.0 for c in range(16)]
+    assert torch.equal(torch.from_numpy(e2m1[0, :16]), torch.tensor(order) * 0.5)
+
+
+def test_int4_stochastic_rounding_is_unbiased_and_nearest_is_not_worse():
+    block = _massive(T=64)
+    ref = block.float().numpy()
+    n = 200
+    g = torch.Generator().manual_seed(0)
+    mean = 0
+    for _ in range(n):
+        parts = quantize_4bit(block, 2, 32, stochastic=True, generator=g)
+        mean = mean + dequantize_4bit(*(p.numpy() for p in parts), 32) / n
+    nearest = dequantize_4bit(*(p.numpy() for p in quantize_4bit(block, 2, 32)), 32)
+    once = dequantize_4bit(*(p.numpy() for p in quantize_4bit(block, 2, 32, stochastic=True)), 32)
+    step = abs(ref[1:]).reshape(63, -1, 32).max(-1, keepdims=True) / 7  # token 0 is all zero
+    ref, mean, nearest, once = ref[1:], mean[1:], nearest[1:], once[1:]
+    bias = abs(mean - ref).reshape(63, -1, 32) / step
+    assert bias.mean() < 0.05  # averages to the value; rounding to nearest is off by ~0.25 step
+    assert (abs(nearest - ref).reshape(63, -1, 32) / step).mean() > 0.15
+    assert ((nearest - ref) ** 2).sum() < ((once - ref) ** 2).sum()
+
+
+def test_int4_group_size_must_match_and_divide():
+    block = _massive()
+    enc = encode(block, "int4-zstd", n_layers=2, group_size=32)
+    with pytest.raises(DataError, match=r"group scales, expected 384 \(group size 16\)"):
+        decode(enc, "int4-zstd", 24, 256, 2, group_size=16)
+    with pytest.raises(DataError, match="cannot decode a fp8-zstd block"):
+        decode(enc, "fp8-zstd", 24, 256, 2)  # an int4 block read as fp8
+    with pytest.raises(ValueError, match="codec fp8-zstd has no scale groups"):
+        encode(block, "fp8-zstd", n_layers=2, group_size=32)
+    with pytest.raises(
+        ConfigError, match="extract.group_size is 48, which must be even and divide"
+    ):
+        check_group(48, 128)
+    check_group(64, 128)
