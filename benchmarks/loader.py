@@ -15,7 +15,7 @@ steps alone, median 302k tokens/s with its train.num_workers 4; the Qwen3-8B dra
 3,072 tokens per 144.2 ms = 21.3k tokens/s, with 15 workers). Bound (issue 46): >= 2x.
 
     python benchmarks/loader.py --out loader.json
-    python benchmarks/loader.py --shapes recipe qwen3-8b --codecs fp8-zstd int4-zstd
+    python benchmarks/loader.py --shapes recipe qwen3-8b --codecs fp8-zstd fp4-zstd
     python benchmarks/loader.py --smoke      # tiny shapes: checks the script
 """
 
@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from dflashpipe.codecs import INT4_GROUP, encode
+from dflashpipe.codecs import FP4_GROUP, encode
 from dflashpipe.data import PackedBatches, Sample
 from dflashpipe.shards import ShardInfo, feature_row, write_shard
 
@@ -42,8 +42,8 @@ SHAPES = {
 }  # fmt: skip
 SMOKE = dict(hidden=32, taps=2, length=30, per_pack=4, tokens=128, anchors=16, consumes=1e3,
              workers=1)  # fmt: skip
-CODECS = ("bf16-zstd", "fp8-zstd", "int4-zstd")
-QUANTIZED = ("fp8-zstd", "int4-zstd")
+CODECS = ("bf16-zstd", "fp8-zstd", "fp4-zstd")
+QUANTIZED = ("fp8-zstd", "fp4-zstd")
 
 
 def random_shard(path: Path, codec: str, shape: dict, n: int) -> list[Sample]:
@@ -55,7 +55,7 @@ def random_shard(path: Path, codec: str, shape: dict, n: int) -> list[Sample]:
         ids = torch.randint(10, 49152, (T,), generator=g).tolist()
         mask = [0] * (T // 4) + [1] * (T - T // 4)
         rows.append(feature_row(str(i), ids, mask, encode(states, codec, shape["taps"])))
-    group = INT4_GROUP if codec == "int4-zstd" else None
+    group = FP4_GROUP if codec == "fp4-zstd" else None
     write_shard(path, rows, ShardInfo(codec, list(range(shape["taps"])), shape["hidden"],
                                       {"name": "random"}, group_size=group))  # fmt: skip
     return [Sample(0, i, T) for i in range(n)]

@@ -54,13 +54,13 @@ def test_loader_benchmark_smoke(tmp_path):
     """Every codec's micro-batch time, the quantized ones also as stored, against the step."""
     res = _script("loader").main(["--smoke", "--repeats", "2", "--out", str(tmp_path / "l.json")])
     rows = res["smoke"]["rows"]
-    assert set(rows) == {"bf16-zstd", "fp8-zstd", "fp8-zstd quantized", "int4-zstd",
-                         "int4-zstd quantized"}  # fmt: skip
+    assert set(rows) == {"bf16-zstd", "fp8-zstd", "fp8-zstd quantized", "fp4-zstd",
+                         "fp4-zstd quantized"}  # fmt: skip
     assert all(r["ms_per_batch"] > 0 and r["x_step"] > 0 for r in rows.values())
 
 
 def test_codecs_benchmark_on_a_shard(tmp_path):
-    """Bytes per token and error per layer for fp8, int4 at each group size and the
+    """Bytes per token and error per layer for fp8, fp4 at each group size and the
     alternatives, from a shard's states (random here, with one massive channel)."""
     import torch
 
@@ -79,11 +79,12 @@ def test_codecs_benchmark_on_a_shard(tmp_path):
     q = res["quality"]
     assert q["massive_channels"] == {"3": {}, "7": {"3": pytest.approx(300, rel=0.2)}}
     v = {r["name"]: r for r in q["variants"]}
-    assert v["fp8-zstd"]["x_fp8"] == 1.0 and v["int4-zstd G32"]["x_fp8"] < 0.7
-    for name in ("int4-zstd G16", "int4-zstd G32", "int4-zstd G64"):
+    assert v["fp8-zstd"]["x_fp8"] == 1.0 and v["fp4-zstd G32"]["x_fp8"] < 0.7
+    for name in ("fp4-zstd G16", "fp4-zstd G32", "fp4-zstd G64"):
         assert 0 < v[name]["rel_error"]["3"] < 0.2
     # a per-layer scale would crush layer 7's other channels; per group they keep their step
-    assert v["int4-zstd G16"]["rel_error"]["7"] < 0.05
-    assert v["int4-zstd G16"]["rel_error_massive"]["7"] < 0.01
-    assert v["int4 stochastic G32"]["rel_error"]["3"] > v["int4-zstd G32"]["rel_error"]["3"]
-    assert {r["codec"] for r in res["runs"]} == {"raw", "bf16-zstd", "fp8-zstd", "int4-zstd"}
+    assert v["fp4-zstd G16"]["rel_error"]["7"] < 0.05
+    assert v["fp4-zstd G16"]["rel_error_massive"]["7"] < 0.01
+    assert v["e2m1 stochastic G32"]["rel_error"]["3"] > v["fp4-zstd G32"]["rel_error"]["3"]
+    assert v["int4 G32"]["x_fp8"] < v["fp4-zstd G32"]["x_fp8"]  # a flatter code histogram
+    assert {r["codec"] for r in res["runs"]} == {"raw", "bf16-zstd", "fp8-zstd", "fp4-zstd"}

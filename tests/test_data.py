@@ -81,7 +81,7 @@ def _shard(path, codec: str, lengths: list[int], seed: int, H: int = 32, taps=(0
     from dflashpipe.codecs import encode
     from dflashpipe.shards import ShardInfo, feature_row, write_shard
 
-    group = 16 if codec == "int4-zstd" else None
+    group = 16 if codec == "fp4-zstd" else None
     g = torch.Generator().manual_seed(seed)
     rows = []
     for i, n in enumerate(lengths):
@@ -93,9 +93,9 @@ def _shard(path, codec: str, lengths: list[int], seed: int, H: int = 32, taps=(0
     return write_shard(path, rows, info)
 
 
-@pytest.mark.parametrize("codec", ["fp8-zstd", "int4-zstd"])
+@pytest.mark.parametrize("codec", ["fp8-zstd", "fp4-zstd"])
 def test_quantized_packs_dequantize_on_the_device_to_the_workers_bf16(tmp_path, codec):
-    """quantized=True: a pack of fp8-zstd (int4-zstd) samples carries the arrays as stored (e4m3
+    """quantized=True: a pack of fp8-zstd (fp4-zstd) samples carries the arrays as stored (e4m3
     bytes + scales; packed codes + group and layer scales), and to_device gives bit for bit the
     bf16 states a worker decodes (padding zero); a pack that mixes in a bf16-zstd shard is
     decoded in the worker as before."""
@@ -108,9 +108,9 @@ def test_quantized_packs_dequantize_on_the_device_to_the_workers_bf16(tmp_path, 
     plan = [[0, 1, 2], [3], [1, 4]]  # quantized only (with padding), quantized only, + bf16
     args = ([quant, bf16], samples, plan, 72, 8, 0, 0)
     plain, quantized = PackedBatches(*args), PackedBatches(*args, quantized=True)
-    # 2 taps of 32: fp8 a byte per value + a scale per layer; int4 half a byte + a group of 16
+    # 2 taps of 32: fp8 a byte per value + a scale per layer; fp4 half a byte + a group of 16
     shapes = {"fp8-zstd": {"target_fp8": (72, 64), "target_scales": (72, 2)},
-              "int4-zstd": {"target_int4": (72, 32), "target_group_scales": (72, 4),
+              "fp4-zstd": {"target_fp4": (72, 32), "target_group_scales": (72, 4),
                             "target_scales": (72, 2)}}[codec]  # fmt: skip
     for k in range(len(plan)):
         want, got = plain[k], quantized[k]

@@ -37,7 +37,7 @@ OTHER = {
     "regenerate.max_prompt_tokens": 100,
     "extract.encode_workers": 3,
     # a group size only with the codec that has groups
-    "extract.group_size": {"extract.codec": "int4-zstd", "extract.group_size": 16},
+    "extract.group_size": {"extract.codec": "fp4-zstd", "extract.group_size": 16},
     "drafter.target_layer_ids": [0, 1],
     "drafter.mask_token_id": 5,
     "drafter.sliding_window": {"drafter.sliding_window": 64, "drafter.num_layers": 2},
@@ -162,8 +162,8 @@ def test_key_change_matrix(base):
 
 def test_a_group_size_edit_reruns_extract_and_nothing_upstream(base):
     """The matrix changes the codec with the group size; here only the group size moves."""
-    int4 = {"extract.codec": "int4-zstd"}
-    runs = [Config.from_dict(_edited(base.raw, int4 | {"extract.group_size": g}))
+    fp4 = {"extract.codec": "fp4-zstd"}
+    runs = [Config.from_dict(_edited(base.raw, fp4 | {"extract.group_size": g}))
             for g in (None, 16, 64)]  # fmt: skip
     for a, b in itertools.combinations(runs, 2):
         direct = {s for s in stages.STAGES if stages.digest(a, s) != stages.digest(b, s)}

@@ -5,15 +5,17 @@
                low bytes (last exponent bit + mantissa) are nearly random; zstd'ing each byte plane on its own lets the
                first compress well instead of being diluted by the second.
 - `fp8-zstd`:  float8 e4m3 with one float32 scale per token and layer (amax / 448), then zstd.
-- `int4-zstd`: 4-bit integers -7..7 with one scale per group of G elements along the hidden
-               size (G = `extract.group_size`, 32 unless set), rounded to nearest, two values a
-               byte; each group's scale is an e4m3 byte relative to a float32 one per token and
-               layer (amax / (7 * 448)), so a massive-activation channel widens only its own
-               group's step. zstd on the nibbles and, as a second frame, on the group scales.
-               Measured on real SmolLM2 features (benchmarks/RESULTS.md, "A 4-bit codec"):
-               see the figures there; RTN on the integer grid beat stochastic rounding and the
-               e2m1 (FP4) grid in RMS error.
-
+- `fp4-zstd`:  e2m1 (FP4) values, 0, +-0.5, 1, 1.5, 2, 3, 4 and 6, times one scale per group of
+               G elements along the hidden size (G = `extract.group_size`, 32 unless set),
+               rounded to nearest, two codes a byte; each group's scale is an e4m3 byte
+               relative to a float32 one per token and layer (amax / (6 * 448)), so a
+               massive-activation channel widens only its own group's step. zstd on the codes
+               and, as a second frame, on the group scales. On the SmolLM2 recipe's real
+               features (5 taps of 576; benchmarks/RESULTS.md, "A 4-bit feature codec"): 1,362
+               bytes per token at G 32, 0.55x fp8-zstd's 2,479, relative error 0.025-0.113 per
+               tapped layer against fp8's 0.005-0.022. The integer grid -7..7 at the same G
+               stores 0.48x fp8 with 0.033-0.161, and at G 16 (0.55x, the same bytes) 0.119 in
+               the worst layer against e2m1's 0.113; stochastic rounding doubles the error.
 `encode` = `prepare` (element-wise, on whatever device holds the block: the GPU in extract) then
 `pack` (zstd, on the CPU, in worker threads that never touch CUDA; zstd releases the GIL).
 `decode` gives the bf16 tensor back.
@@ -36,28 +38,30 @@ import zstandard
 
 from dflashpipe.errors import ConfigError, DataError
 
-CODECS = ("bf16-zstd", "fp8-zstd", "int4-zstd", "raw")
-GROUPED = ("int4-zstd",)  # codecs with a scale per group of `group_size` elements
+CODECS = ("bf16-zstd", "fp8-zstd", "fp4-zstd", "raw")
+GROUPED = ("fp4-zstd",)  # codecs with a scale per group of `group_size` elements
 FP8_MAX = 448.0  # largest finite float8 e4m3fn
 # elements per scale where extract.group_size is unset (RESULTS.md, "A 4-bit codec")
-INT4_GROUP = 32
-INT4_LEVELS = tuple(float(v) for v in range(-7, 8))  # the 15 values a code 0..14 stands for
+FP4_GROUP = 32
+# a grid's 15 values, ascending and symmetric (level 7 is 0): fp4-zstd's, and the integer one
+# measured beside it and not kept (benchmarks/codecs.py)
 E2M1_LEVELS = (-6.0, -4.0, -3.0, -2.0, -1.5, -1.0, -0.5, 0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+INT4_LEVELS = tuple(float(v) for v in range(-7, 8))
 _local = threading.local()  # zstd contexts are not thread-safe: one per thread
 
 
 @dataclass
 class Encoded:
     hidden: bytes | np.ndarray  # the encoded block (pack gives a uint8 array, shards give bytes)
-    split: int | None = None  # bf16-zstd, int4-zstd: byte length of the first frame
-    scales: bytes | None = None  # fp8-zstd, int4-zstd: float32 (T, n_layers)
+    split: int | None = None  # bf16-zstd, fp4-zstd: byte length of the first frame
+    scales: bytes | None = None  # fp8-zstd, fp4-zstd: float32 (T, n_layers)
 
 
 def group_of(codec: str, group_size: int | None) -> int | None:
-    """The group size a codec quantizes with: int4-zstd's (INT4_GROUP when unset); None for the
+    """The group size a codec quantizes with: fp4-zstd's (FP4_GROUP when unset); None for the
     codecs without groups, which refuse one (ValueError)."""
     if codec in GROUPED:
-        return group_size or INT4_GROUP
+        return group_size or FP4_GROUP
     if group_size is not None:
         raise ValueError(f"codec {codec} has no scale groups, but a group size {group_size} is set")
     return None
@@ -77,7 +81,7 @@ def quantize_4bit(
     block: torch.Tensor,
     n_layers: int,
     group: int,
-    levels: tuple[float, ...] = INT4_LEVELS,
+    levels: tuple[float, ...] = E2M1_LEVELS,
     stochastic: bool = False,
     generator: torch.Generator | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -102,8 +106,8 @@ def quantize_4bit(
         codes = low + (u < p)
     else:
         codes = torch.bucketize(y, (grid[1:] + grid[:-1]) / 2)  # nearest; out of range: the end
-    # level i is code (i - 7) mod 16, two's complement on the integer grid: a zero byte is two
-    # zeros (a pack's padding, an all-zero token); code 8 is never written
+    # level i is code (i - 7) mod 16 (sign and magnitude rank; two's complement on the integer
+    # grid): a zero byte is two zeros (a pack's padding, an all-zero token); code 8 is unused
     codes = (codes - len(levels) // 2).bitwise_and(0xF).to(torch.uint8).flatten(-3)  # (..., L*H)
     packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
     return packed, inner.view(torch.uint8).flatten(-2), outer
@@ -127,8 +131,8 @@ def prepare(
 ) -> tuple[torch.Tensor, ...]:
     """The element-wise half of encoding, done wherever `block` lives (the GPU, in extract):
     bf16 (..., n_layers * H) -> the tensors `pack` compresses. Splitting byte planes or
-    quantizing here leaves only zstd for the CPU, and fp8 halves the device-to-host copy (int4
-    quarters it). `group_size`: int4-zstd's (None: INT4_GROUP); the other codecs refuse one."""
+    quantizing here leaves only zstd for the CPU, and fp8 halves the device-to-host copy (fp4
+    quarters it). `group_size`: fp4-zstd's (None: FP4_GROUP); the other codecs refuse one."""
     if block.dtype != torch.bfloat16:
         raise ValueError(f"expected a bfloat16 block, got {block.dtype} {tuple(block.shape)}")
     group = group_of(codec, group_size) if codec in CODECS else None
@@ -143,7 +147,7 @@ def prepare(
         scales = (x.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp_min(1e-12)  # (..., L, 1)
         q = (x / scales).to(torch.float8_e4m3fn).view(torch.uint8).flatten(-2)  # (..., L*H)
         return (q, scales.squeeze(-1))
-    if codec == "int4-zstd":
+    if codec == "fp4-zstd":
         return quantize_4bit(block, n_layers, group)
     raise ValueError(f"unknown codec {codec!r}; expected one of {CODECS}")
 
@@ -165,7 +169,7 @@ def pack(parts: tuple[torch.Tensor, ...], codec: str, level: int = 1) -> Encoded
             z.compress(parts[0].contiguous().numpy()),
             scales=parts[1].contiguous().numpy().tobytes(),
         )
-    if codec == "int4-zstd":
+    if codec == "fp4-zstd":
         codes = z.compress(parts[0].contiguous().numpy())
         inner = z.compress(parts[1].contiguous().numpy())
         joined = np.concatenate([np.frombuffer(codes, np.uint8), np.frombuffer(inner, np.uint8)])
@@ -218,7 +222,7 @@ def _fp8_parts(
 
 
 # the arrays a quantized codec stores, by name: what a pack carries to the device undecoded
-STORED = {"fp8-zstd": ("fp8", "scales"), "int4-zstd": ("int4", "group_scales", "scales")}
+STORED = {"fp8-zstd": ("fp8", "scales"), "fp4-zstd": ("fp4", "group_scales", "scales")}
 QUANTIZED = tuple(STORED)
 
 
@@ -229,7 +233,7 @@ def stored_parts(
     order `decode_stored` fills them and `dequantize` takes them."""
     if codec == "fp8-zstd":
         lengths = (width, n_layers)
-    elif codec == "int4-zstd":
+    elif codec == "fp4-zstd":
         lengths = (width // 2, width // group_of(codec, group_size), n_layers)
     else:
         raise ValueError(
@@ -269,7 +273,7 @@ def decode_stored(
         if codec == "fp8-zstd":
             stored = _fp8_parts(enc, num_tokens, width, n_layers)
         else:
-            stored = _int4_parts(enc, num_tokens, width, n_layers, group_of(codec, group_size))
+            stored = _fp4_parts(enc, num_tokens, width, n_layers, group_of(codec, group_size))
     except (zstandard.ZstdError, ValueError, TypeError) as e:
         raise DataError(f"cannot decode a {codec} block of {num_tokens}x{width}: {e}") from None
     for t, a in zip(parts, stored, strict=True):
@@ -278,13 +282,13 @@ def decode_stored(
 
 def dequantize(parts: tuple[torch.Tensor, ...], codec: str) -> torch.Tensor:
     """bf16 (..., width) of a quantized codec's stored arrays (`stored_parts`' order) on
-    whatever device holds them, bit for bit what `decode` gives; int4's group size is read off
+    whatever device holds them, bit for bit what `decode` gives; fp4's group size is read off
     the shapes."""
     if codec == "fp8-zstd":
         return dequantize_fp8(*parts)
-    if codec == "int4-zstd":
+    if codec == "fp4-zstd":
         packed, inner, outer = parts
-        grid = torch.tensor(code_values(INT4_LEVELS), device=packed.device)
+        grid = torch.tensor(code_values(E2M1_LEVELS), device=packed.device)
         codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).flatten(-2)  # (..., width)
         x = grid[codes.long()].unflatten(-1, (inner.shape[-1], -1))  # (..., groups, G)
         per_layer = inner.shape[-1] // outer.shape[-1]
@@ -339,7 +343,7 @@ def dequantize_4bit(
     inner: np.ndarray,
     outer: np.ndarray,
     group: int,
-    levels: tuple[float, ...] = INT4_LEVELS,
+    levels: tuple[float, ...] = E2M1_LEVELS,
 ) -> np.ndarray:
     """float32 (rows, n_layers * H) of quantize_4bit's parts as numpy arrays: packed (rows,
     n_layers * H / 2) uint8, inner (rows, n_layers * H / group) e4m3 bytes, outer (rows,
@@ -351,13 +355,13 @@ def dequantize_4bit(
     return x.reshape(rows, -1)
 
 
-def _int4_parts(
+def _fp4_parts(
     enc: Encoded, num_tokens: int, width: int, n_layers: int, group: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """An int4-zstd block's packed codes (num_tokens, width / 2), group scale bytes (num_tokens,
+    """An fp4-zstd block's packed codes (num_tokens, width / 2), group scale bytes (num_tokens,
     width / group) and layer scales (num_tokens, n_layers), checked for size (ValueError)."""
     if enc.split is None or enc.scales is None:
-        raise ValueError("the row has no group-scale frame or layer scales (not an int4 block)")
+        raise ValueError("the row has no group-scale frame or layer scales (not an fp4 block)")
     codes = np.frombuffer(_decompressor().decompress(enc.hidden[: enc.split]), np.uint8)
     inner = np.frombuffer(_decompressor().decompress(enc.hidden[enc.split :]), np.uint8)
     outer = np.frombuffer(enc.scales, np.float32)
@@ -381,7 +385,7 @@ def decode(
     """The (num_tokens, width) bf16 tensor of an encoded block. With `out`, a contiguous
     (m, width) bf16 CPU tensor with m <= num_tokens (a slice of a packed batch, say), the first m
     tokens are written there, with no intermediate copy of the block, and `out` is returned.
-    `group_size`: int4-zstd's, as encoded (None: INT4_GROUP)."""
+    `group_size`: fp4-zstd's, as encoded (None: FP4_GROUP)."""
     n = num_tokens * width
     group = group_of(codec, group_size) if codec in CODECS else None
     if out is None:
@@ -417,8 +421,8 @@ def decode(
             np.multiply(x, scales[:rows, :, None], out=x)
             out.copy_(torch.from_numpy(x).view(rows, width))  # float32 -> bf16, rounded
             return out
-        if codec == "int4-zstd":
-            codes, inner, outer = _int4_parts(enc, num_tokens, width, n_layers, group)
+        if codec == "fp4-zstd":
+            codes, inner, outer = _fp4_parts(enc, num_tokens, width, n_layers, group)
             rows = out.shape[0]
             x = dequantize_4bit(codes[:rows], inner[:rows], outer[:rows], group)
             out.copy_(torch.from_numpy(x))  # float32 -> bf16, rounded

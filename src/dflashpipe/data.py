@@ -14,10 +14,10 @@ k)); every shard must have them.
 `quantized=True` (the train stage on a GPU): a pack whose samples all come from shards of one
 quantized codec carries the arrays as stored instead of `target_hidden`: fp8-zstd's e4m3 bytes and
 scales (`target_fp8` (tokens, n_layers*H) uint8, `target_scales` (tokens, n_layers) float32),
-int4-zstd's packed codes, group scales and layer scales (`target_int4` (tokens, n_layers*H/2)
+fp4-zstd's packed codes, group scales and layer scales (`target_fp4` (tokens, n_layers*H/2)
 uint8, `target_group_scales` (tokens, n_layers*H/G) uint8, `target_scales`), and `to_device`
 dequantizes them on the device: the workers only decompress, and a half (fp8) or about a quarter
-(int4) of bf16's bytes cross to the GPU. The result is bit for bit the bf16 a worker would have
+(fp4) of bf16's bytes cross to the GPU. The result is bit for bit the bf16 a worker would have
 made.
 """
 
@@ -152,7 +152,7 @@ class PackedBatches(Dataset):
         self.paths, self.samples, self.plan = shard_paths, samples, plan
         self.tokens, self.anchors, self.seed, self.epoch = tokens, anchors, seed, epoch
         self.topk = topk  # 0: soft targets are not read
-        self.quantized = quantized  # fp8 / int4 packs stay as stored (module docstring)
+        self.quantized = quantized  # fp8 / fp4 packs stay as stored (module docstring)
         self._shards: dict[int, FeatureShard] = {}  # opened lazily, once per worker process
 
     def __len__(self) -> int:

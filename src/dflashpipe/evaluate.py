@@ -255,7 +255,9 @@ def decode_in_workers(
     if workers == 1:
         return decode_and_check(model, drafter, prompts, ev, stop_ids)
     slices = [prompts[k::workers] for k in range(workers)]
-    checked = len(prompts) if ev.lossless_prompts is None else min(ev.lossless_prompts, len(prompts))
+    checked = (
+        len(prompts) if ev.lossless_prompts is None else min(ev.lossless_prompts, len(prompts))
+    )
     # slice k checks its prompts among the first `checked`: k, k + workers, ...
     evs = [replace(ev, lossless_prompts=len(range(k, checked, workers))) for k in range(workers)]
     with ProcessPoolExecutor(workers - 1, mp_context=get_context("spawn")) as pool:

@@ -177,7 +177,7 @@ class Extractor:
                  head: nn.Module | None = None):  # fmt: skip
         ex = cfg.extract
         self.codec, self.level, self.budget = ex.codec, ex.zstd_level, ex.token_budget
-        self.group = group_of(ex.codec, ex.group_size)  # int4-zstd's; None for the others
+        self.group = group_of(ex.codec, ex.group_size)  # fp4-zstd's; None for the others
         if self.group is not None:
             check_group(self.group, base.config.hidden_size)
         self.direct_io, self.topk = ex.direct_io, ex.topk

@@ -4,7 +4,7 @@ One row per sample: `sample_id`, `input_ids` (int32), `loss_mask` (uint8), `num_
 encoded `hidden` block (T, n_layers * H) and its codec fields (`hidden_split`, `scales`); with
 top-k soft targets (extract.topk = k > 0) also `topk_ids` and `topk_logprobs`: zstd frames of
 (T, k) int32 / float16, row t the target's k most likely tokens at t + 1 (codecs.pack_topk). The
-schema metadata names the codec (and int4-zstd's group size), dtype, layer ids, hidden size, top-k, format version and the
+schema metadata names the codec (and fp4-zstd's group size), dtype, layer ids, hidden size, top-k, format version and the
 target, so a consumer can refuse a shard it does not fit. Files are memory-mappable.
 """
 
@@ -63,7 +63,7 @@ class ShardInfo:
     hidden_size: int
     target: dict
     topk: int = 0  # k of the top-k soft-target columns; 0: the shard has none
-    group_size: int | None = None  # int4-zstd's elements per scale; None for the other codecs
+    group_size: int | None = None  # fp4-zstd's elements per scale; None for the other codecs
 
     def metadata(self) -> dict[str, str]:
         return {
@@ -215,7 +215,7 @@ class FeatureShard:
         return row
 
     def sample_stored(self, i: int, parts: tuple[torch.Tensor, ...]) -> dict:
-        """Row i of a quantized shard (fp8-zstd, int4-zstd) with its first m tokens' arrays as
+        """Row i of a quantized shard (fp8-zstd, fp4-zstd) with its first m tokens' arrays as
         stored written into `parts` ((m, length) each, codecs.stored_parts' order), not
         dequantized (codecs.dequantize finishes them on the training device); `hidden` is
         None."""
