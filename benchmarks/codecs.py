@@ -27,6 +27,7 @@ import torch
 
 from dflashpipe.codecs import (
     E2M1_LEVELS,
+    FP4_OUTLIERS,
     INT4_LEVELS,
     decode,
     dequantize_4bit,
@@ -45,14 +46,18 @@ RUNS = [
     ("fp4-zstd", 1, 32),
     ("fp4-zstd", 1, 64),
 ]
-# (name, group, grid, stochastic): the codecs first, then the alternatives measured and not kept
-LOSSY = [("fp8-zstd", None, None, False)]
-LOSSY += [(f"fp4-zstd G{g}", g, E2M1_LEVELS, False) for g in (16, 32, 64)]
-LOSSY += [(f"int4 G{g}", g, INT4_LEVELS, False) for g in (16, 32, 64)]
-LOSSY += [
-    ("e2m1 stochastic G32", 32, E2M1_LEVELS, True),
-    ("int4 stochastic G32", 32, INT4_LEVELS, True),
-]
+# (name, group, grid, stochastic, outliers): the codecs first, then the alternatives measured and
+# not kept
+LOSSY = [("fp8-zstd", None, None, False, 0)]
+LOSSY += [(f"fp4-zstd G{g}", g, E2M1_LEVELS, False, FP4_OUTLIERS) for g in (16, 32, 64)]
+LOSSY += [("e2m1 G32, no outliers", 32, E2M1_LEVELS, False, 0),
+          ("e2m1 G32, 2 outliers", 32, E2M1_LEVELS, False, 2),
+          ("e2m1 G32, 8 outliers", 32, E2M1_LEVELS, False, 8),
+          ("e2m1 G16, no outliers", 16, E2M1_LEVELS, False, 0)]  # fmt: skip
+LOSSY += [(f"int4 G{g}", g, INT4_LEVELS, False, FP4_OUTLIERS) for g in (16, 32)]
+LOSSY += [("int4 G32, no outliers", 32, INT4_LEVELS, False, 0)]
+LOSSY += [("e2m1 stochastic G32", 32, E2M1_LEVELS, True, FP4_OUTLIERS),
+          ("int4 stochastic G32", 32, INT4_LEVELS, True, FP4_OUTLIERS)]  # fmt: skip
 MASSIVE = 50.0  # massive: a channel whose largest |value| exceeds this x the median channel's RMS
 
 
@@ -73,14 +78,20 @@ def speed(blocks: list[torch.Tensor], n_layers: int, raw_mb: float) -> list[dict
 
 
 def lossy_round_trip(
-    block: torch.Tensor, n_layers: int, group: int | None, grid, stochastic: bool, g
+    block: torch.Tensor,
+    n_layers: int,
+    group: int | None,
+    grid,
+    stochastic: bool,
+    outliers: int,
+    g: torch.Generator,
 ) -> tuple[torch.Tensor, int]:
     """(the bf16 states back, bytes a shard row stores) of one variant of `LOSSY`."""
     if group is None:
         enc = encode(block, "fp8-zstd", n_layers)
         out = decode(enc, "fp8-zstd", block.shape[0], block.shape[1], n_layers)
         return out, len(enc.hidden) + len(enc.scales)
-    parts = quantize_4bit(block, n_layers, group, grid, stochastic, g)
+    parts = quantize_4bit(block, n_layers, group, grid, stochastic, g, outliers)
     enc = pack(parts, "fp4-zstd")
     out = dequantize_4bit(*(p.numpy() for p in parts), group, grid)
     return torch.from_numpy(out).to(torch.bfloat16), len(enc.hidden) + len(enc.scales)
@@ -98,10 +109,10 @@ def quality(blocks: list[torch.Tensor], n_layers: int, layer_ids: list[int]) -> 
         for li, lid in enumerate(layer_ids)}, "variants": []}  # fmt: skip
     tokens = ref.shape[0]
     g = torch.Generator().manual_seed(0)
-    for name, group, grid, stochastic in LOSSY:
+    for name, group, grid, stochastic, outliers in LOSSY:
         decoded, size = [], 0
         for b in blocks:
-            got, n = lossy_round_trip(b, n_layers, group, grid, stochastic, g)
+            got, n = lossy_round_trip(b, n_layers, group, grid, stochastic, outliers, g)
             decoded.append(got)
             size += n
         err = torch.cat(decoded).float().unflatten(-1, (n_layers, -1)) - ref
@@ -158,13 +169,13 @@ def main(argv: list[str] | None = None) -> dict:
     print("massive channels (layer: channel: peak / the median channel's RMS):",
           q["massive_channels"])  # fmt: skip
     print(
-        f"{'variant':<22}{'bytes/tok':>10}{'x fp8':>7}  rel. error per layer | on massive channels"
+        f"{'variant':<24}{'bytes/tok':>10}{'x fp8':>7}  rel. error per layer | on massive channels"
     )
     for v in q["variants"]:
         per_layer = " ".join(f"{e:.4f}" for e in v["rel_error"].values())
         on_massive = " ".join(f"{k}:{e:.4f}" for k, e in v["rel_error_massive"].items())
         rest = " ".join(f"{e:.4f}" for e in v["rel_error_other_channels"].values())
-        print(f"{v['name']:<22}{v['bytes_per_token']:>10.0f}{v['x_fp8']:>7.3f}  {per_layer} "
+        print(f"{v['name']:<24}{v['bytes_per_token']:>10.0f}{v['x_fp8']:>7.3f}  {per_layer} "
               f"(worst {v['worst_layer']}) | {on_massive} | {rest}")  # fmt: skip
     return results
 

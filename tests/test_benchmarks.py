@@ -79,7 +79,9 @@ def test_codecs_benchmark_on_a_shard(tmp_path):
     q = res["quality"]
     assert q["massive_channels"] == {"3": {}, "7": {"3": pytest.approx(300, rel=0.2)}}
     v = {r["name"]: r for r in q["variants"]}
-    assert v["fp8-zstd"]["x_fp8"] == 1.0 and v["fp4-zstd G32"]["x_fp8"] < 0.7
+    # 64 channels a layer: the 4 outliers a token and layer weigh more than at 576
+    assert v["fp8-zstd"]["x_fp8"] == 1.0 and v["fp4-zstd G32"]["x_fp8"] < 0.8
+    assert v["fp4-zstd G16"]["x_fp8"] > v["fp4-zstd G32"]["x_fp8"] > v["fp4-zstd G64"]["x_fp8"]
     for name in ("fp4-zstd G16", "fp4-zstd G32", "fp4-zstd G64"):
         assert 0 < v[name]["rel_error"]["3"] < 0.2
     # a per-layer scale would crush layer 7's other channels; per group they keep their step

@@ -158,8 +158,9 @@ def test_fp4_error_is_bounded_per_group_and_an_outlier_stays_in_its_group(group)
     # round them all to 0, an error as large as the states
     others = (out - ref).view(24, 2, 128)[:, 0, group:]
     assert others.norm() < 0.2 * ref.view(24, 2, 128)[:, 0, group:].norm()
-    # 4-bit codes + one scale byte per group + a float32 per token and layer, before zstd
-    assert len(enc.hidden) + len(enc.scales) <= 24 * (128 + 256 // group + 8) + 64
+    # 4-bit codes + one scale byte per group + a float32 per token and layer + 4 outliers per
+    # token and layer (channel and bf16 value), before zstd
+    assert len(enc.hidden) + len(enc.scales) <= 24 * (128 + 256 // group + 8 + 32) + 64
 
 
 def test_fp4_decode_equals_the_grid_times_the_scales():
@@ -175,16 +176,22 @@ def test_fp4_decode_equals_the_grid_times_the_scales():
     e2m1 = torch.tensor([E2M1_LEVELS[(c + 7) % 16] if c != 8 else 0.0 for c in range(16)])
     want = e2m1[codes.long()] * scale
     assert e2m1[0] == 0 and e2m1[1] == 0.5 and e2m1[7] == 6 and e2m1[9] == -6 and e2m1[15] == -0.5
-    got = dequantize_4bit(packed.numpy(), inner.numpy(), outer.numpy(), G)
+    # the outliers: 4 channels a token keep their bf16 values, whatever their codes say
+    where = torch.tensor([[3, 10, 17, 31]] * T, dtype=torch.int16)
+    kept = torch.tensor([[100.0, -2.5, 0.0, 1e-3]] * T).bfloat16()
+    want[:, [3, 10, 17, 31]] = kept.float()
+    stored = (packed, inner, outer, where, kept.view(torch.int16))
+    got = dequantize_4bit(*(t.numpy() for t in stored), G)
     assert torch.equal(torch.from_numpy(got), want)
-    stored = (torch.from_numpy(packed.numpy()), inner, outer)
     assert torch.equal(
         dequantize(stored, "fp4-zstd").view(torch.int16), want.bfloat16().view(torch.int16)
     )
-    ints = dequantize_4bit(packed.numpy(), inner.numpy(), outer.numpy(), G, INT4_LEVELS)
+    ints = dequantize_4bit(*(t.numpy() for t in stored), G, INT4_LEVELS)
     signed = torch.where(codes >= 8, codes.float() - 16, codes.float())
     signed[codes == 8] = 0  # never written
-    assert torch.equal(torch.from_numpy(ints), signed * scale)
+    signed = signed * scale
+    signed[:, [3, 10, 17, 31]] = kept.float()
+    assert torch.equal(torch.from_numpy(ints), signed)
 
 
 @pytest.mark.parametrize("levels", [E2M1_LEVELS, INT4_LEVELS])
@@ -214,7 +221,9 @@ def test_stochastic_rounding_is_unbiased_and_nearest_is_not_worse(levels):
 def test_fp4_group_size_must_match_and_divide():
     block = _massive()
     enc = encode(block, "fp4-zstd", n_layers=2, group_size=32)
-    with pytest.raises(DataError, match=r"group scales, expected 384 \(group size 16\)"):
+    with pytest.raises(
+        DataError, match=r"192 values of group scales, expected 384 \(group size 16\)"
+    ):
         decode(enc, "fp4-zstd", 24, 256, 2, group_size=16)
     with pytest.raises(DataError, match="cannot decode a fp8-zstd block"):
         decode(enc, "fp8-zstd", 24, 256, 2)  # an fp4 block read as fp8

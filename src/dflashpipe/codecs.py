@@ -47,6 +47,10 @@ FP4_GROUP = 32
 # measured beside it and not kept (benchmarks/codecs.py)
 E2M1_LEVELS = (-6.0, -4.0, -3.0, -2.0, -1.5, -1.0, -0.5, 0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 INT4_LEVELS = tuple(float(v) for v in range(-7, 8))
+# each token's largest |values| per layer that fp4-zstd keeps as they are, beside the 4-bit
+# codes (RESULTS.md, "A 4-bit feature codec": 4 take the worst layer's error from 0.113 to 0.068
+# for 90 more bytes a token on the recipe)
+FP4_OUTLIERS = 4
 _local = threading.local()  # zstd contexts are not thread-safe: one per thread
 
 
@@ -54,7 +58,7 @@ _local = threading.local()  # zstd contexts are not thread-safe: one per thread
 class Encoded:
     hidden: bytes | np.ndarray  # the encoded block (pack gives a uint8 array, shards give bytes)
     split: int | None = None  # bf16-zstd, fp4-zstd: byte length of the first frame
-    scales: bytes | None = None  # fp8-zstd, fp4-zstd: float32 (T, n_layers)
+    scales: bytes | None = None  # fp8-zstd, fp4-zstd: float32 (T, n_layers) (fp4: + outliers)
 
 
 def group_of(codec: str, group_size: int | None) -> int | None:
@@ -84,13 +88,21 @@ def quantize_4bit(
     levels: tuple[float, ...] = E2M1_LEVELS,
     stochastic: bool = False,
     generator: torch.Generator | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """bf16 (..., n_layers * H) -> codes packed two a byte (..., n_layers * H / 2) uint8 (the
-    even element in the low nibble), the groups' e4m3 scale bytes (..., n_layers * H / group)
-    uint8 and the float32 scale of each token's layers (..., n_layers), on block's device. A
-    value is the nearest of `levels` times its group's scale (`stochastic`: one of the two
-    around it, with the probability that makes it unbiased)."""
-    x = block.float().unflatten(-1, (n_layers, -1, group))  # (..., L, H/G, G)
+    outliers: int = FP4_OUTLIERS,
+) -> tuple[torch.Tensor, ...]:
+    """bf16 (..., n_layers * H) -> on block's device: codes packed two a byte (..., n_layers *
+    H / 2) uint8 (the even element in the low nibble), the groups' e4m3 scale bytes (...,
+    n_layers * H / group) uint8, the float32 scale of each token's layers (..., n_layers), and
+    each token's `outliers` largest |values| per layer as they are, their channels (...,
+    n_layers * k) int16 and bf16 values as int16 bits (..., n_layers * k), k = min(outliers,
+    H). A value is
+    the nearest of `levels` times its group's scale (`stochastic`: one of the two around it,
+    with the probability that makes it unbiased); an outlier's own place codes 0."""
+    x = block.float().unflatten(-1, (n_layers, -1))  # (..., L, H)
+    k = min(outliers, x.shape[-1])
+    where = x.abs().topk(k, dim=-1).indices  # (..., L, k)
+    kept = x.gather(-1, where).to(torch.bfloat16).view(torch.int16)
+    x = x.scatter(-1, where, 0.0).unflatten(-1, (-1, group))  # (..., L, H/G, G)
     grid = torch.tensor(levels, device=block.device)
     top = grid[-1]
     amax = x.abs().amax(-1)  # (..., L, H/G)
@@ -110,7 +122,8 @@ def quantize_4bit(
     # grid): a zero byte is two zeros (a pack's padding, an all-zero token); code 8 is unused
     codes = (codes - len(levels) // 2).bitwise_and(0xF).to(torch.uint8).flatten(-3)  # (..., L*H)
     packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
-    return packed, inner.view(torch.uint8).flatten(-2), outer
+    return (packed, inner.view(torch.uint8).flatten(-2), outer,
+            where.to(torch.int16).flatten(-2), kept.flatten(-2))  # fmt: skip
 
 
 def _compressor(level: int) -> zstandard.ZstdCompressor:
@@ -170,10 +183,13 @@ def pack(parts: tuple[torch.Tensor, ...], codec: str, level: int = 1) -> Encoded
             scales=parts[1].contiguous().numpy().tobytes(),
         )
     if codec == "fp4-zstd":
-        codes = z.compress(parts[0].contiguous().numpy())
-        inner = z.compress(parts[1].contiguous().numpy())
+        packed, inner, outer, where, kept = (p.contiguous().numpy() for p in parts)
+        codes, inner = z.compress(packed), z.compress(inner)
         joined = np.concatenate([np.frombuffer(codes, np.uint8), np.frombuffer(inner, np.uint8)])
-        return Encoded(joined, split=len(codes), scales=parts[2].contiguous().numpy().tobytes())
+        # the layer scales as they are, then the outliers' channels and values in one frame (a
+        # frame of their own: beside the group scales they compressed 18 bytes a token worse)
+        kept = z.compress(np.concatenate([where.reshape(-1), kept.reshape(-1)]))
+        return Encoded(joined, split=len(codes), scales=outer.tobytes() + kept)
     raise ValueError(f"unknown codec {codec!r}; expected one of {CODECS}")
 
 
@@ -222,7 +238,10 @@ def _fp8_parts(
 
 
 # the arrays a quantized codec stores, by name: what a pack carries to the device undecoded
-STORED = {"fp8-zstd": ("fp8", "scales"), "fp4-zstd": ("fp4", "group_scales", "scales")}
+STORED = {
+    "fp8-zstd": ("fp8", "scales"),
+    "fp4-zstd": ("fp4", "group_scales", "scales", "outlier_channels", "outlier_values"),
+}
 QUANTIZED = tuple(STORED)
 
 
@@ -232,15 +251,21 @@ def stored_parts(
     """A quantized codec's arrays as stored, per token: (name, length, dtype) each, in the
     order `decode_stored` fills them and `dequantize` takes them."""
     if codec == "fp8-zstd":
-        lengths = (width, n_layers)
+        lengths, dtypes = (width, n_layers), (torch.uint8, torch.float32)
     elif codec == "fp4-zstd":
-        lengths = (width // 2, width // group_of(codec, group_size), n_layers)
+        kept = n_layers * _outliers(width // n_layers)
+        lengths = (width // 2, width // group_of(codec, group_size), n_layers, kept, kept)
+        dtypes = (torch.uint8, torch.uint8, torch.float32, torch.int16, torch.int16)  # bf16 bits
     else:
         raise ValueError(
             f"codec {codec!r} has no stored form to dequantize later; {QUANTIZED} have"
         )
-    dtypes = (torch.uint8,) * (len(lengths) - 1) + (torch.float32,)  # the layer scales last
     return tuple(zip(STORED[codec], lengths, dtypes, strict=True))
+
+
+def _outliers(hidden: int) -> int:
+    """How many values per token and layer fp4-zstd keeps as they are."""
+    return min(FP4_OUTLIERS, hidden)
 
 
 def decode_stored(
@@ -287,13 +312,17 @@ def dequantize(parts: tuple[torch.Tensor, ...], codec: str) -> torch.Tensor:
     if codec == "fp8-zstd":
         return dequantize_fp8(*parts)
     if codec == "fp4-zstd":
-        packed, inner, outer = parts
+        packed, inner, outer, where, kept = parts
+        n_layers = outer.shape[-1]
         grid = torch.tensor(code_values(E2M1_LEVELS), device=packed.device)
         codes = torch.stack([packed & 0xF, packed >> 4], dim=-1).flatten(-2)  # (..., width)
         x = grid[codes.long()].unflatten(-1, (inner.shape[-1], -1))  # (..., groups, G)
-        per_layer = inner.shape[-1] // outer.shape[-1]
+        per_layer = inner.shape[-1] // n_layers
         scale = inner.view(torch.float8_e4m3fn).float() * outer.repeat_interleave(per_layer, -1)
-        return (x * scale[..., None]).flatten(-2).to(torch.bfloat16)
+        x = (x * scale[..., None]).unflatten(-2, (n_layers, -1)).flatten(-2)  # (..., L, H)
+        x = x.scatter(-1, where.long().unflatten(-1, (n_layers, -1)),
+                      kept.view(torch.bfloat16).float().unflatten(-1, (n_layers, -1)))  # fmt: skip
+        return x.flatten(-2).to(torch.bfloat16)
     raise ValueError(f"codec {codec!r} has no stored form to dequantize; {QUANTIZED} have")
 
 
@@ -342,35 +371,49 @@ def dequantize_4bit(
     packed: np.ndarray,
     inner: np.ndarray,
     outer: np.ndarray,
+    where: np.ndarray,
+    kept: np.ndarray,
     group: int,
     levels: tuple[float, ...] = E2M1_LEVELS,
 ) -> np.ndarray:
     """float32 (rows, n_layers * H) of quantize_4bit's parts as numpy arrays: packed (rows,
     n_layers * H / 2) uint8, inner (rows, n_layers * H / group) e4m3 bytes, outer (rows,
-    n_layers) float32; a table lookup per byte and one multiply per value."""
+    n_layers) float32, the outliers' channels (rows, n_layers * k) int16 and bf16 values (rows,
+    n_layers * k, as int16 bits); a table lookup per byte, one multiply per value, the outliers
+    put back."""
     rows, n_layers = outer.shape
     x = np.take(_nibble_table(levels), packed.reshape(-1), axis=0).reshape(rows, -1, group)
     scale = _fp8_tables()[0][inner].reshape(rows, n_layers, -1) * outer[..., None]
     np.multiply(x, scale.reshape(rows, -1, 1), out=x)
+    values = (kept.view(np.uint16).astype(np.uint32) << 16).view(np.float32)  # bf16 -> float32
+    x = x.reshape(rows, n_layers, -1)
+    np.put_along_axis(x, where.reshape(rows, n_layers, -1).astype(np.intp),
+                      values.reshape(rows, n_layers, -1), axis=-1)  # fmt: skip
     return x.reshape(rows, -1)
 
 
 def _fp4_parts(
     enc: Encoded, num_tokens: int, width: int, n_layers: int, group: int
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+) -> tuple[np.ndarray, ...]:
     """An fp4-zstd block's packed codes (num_tokens, width / 2), group scale bytes (num_tokens,
-    width / group) and layer scales (num_tokens, n_layers), checked for size (ValueError)."""
+    width / group), layer scales (num_tokens, n_layers) and outliers' channels and values
+    (num_tokens, n_layers * k) int16 each, checked for size (ValueError)."""
     if enc.split is None or enc.scales is None:
         raise ValueError("the row has no group-scale frame or layer scales (not an fp4 block)")
     codes = np.frombuffer(_decompressor().decompress(enc.hidden[: enc.split]), np.uint8)
     inner = np.frombuffer(_decompressor().decompress(enc.hidden[enc.split :]), np.uint8)
-    outer = np.frombuffer(enc.scales, np.float32)
+    n_outer = num_tokens * n_layers * 4
+    outer = np.frombuffer(enc.scales[:n_outer], np.float32)
+    outliers = np.frombuffer(_decompressor().decompress(enc.scales[n_outer:]), np.int16)
+    n_kept = num_tokens * n_layers * _outliers(width // n_layers)
     for name, got, want in (("codes", codes.size, num_tokens * width // 2),
                             ("group scales", inner.size, num_tokens * width // group),
-                            ("layer scales", outer.size, num_tokens * n_layers)):  # fmt: skip
+                            ("layer scales", outer.size, num_tokens * n_layers),
+                            ("outliers", outliers.size, 2 * n_kept)):  # fmt: skip
         if got != want:
-            raise ValueError(f"{got} bytes of {name}, expected {want} (group size {group})")
-    return tuple(a.reshape(num_tokens, -1) for a in (codes, inner, outer))
+            raise ValueError(f"{got} values of {name}, expected {want} (group size {group})")
+    where, kept = outliers[:n_kept], outliers[n_kept:]
+    return tuple(a.reshape(num_tokens, -1) for a in (codes, inner, outer, where, kept))
 
 
 def decode(
@@ -422,9 +465,9 @@ def decode(
             out.copy_(torch.from_numpy(x).view(rows, width))  # float32 -> bf16, rounded
             return out
         if codec == "fp4-zstd":
-            codes, inner, outer = _fp4_parts(enc, num_tokens, width, n_layers, group)
+            parts = _fp4_parts(enc, num_tokens, width, n_layers, group)
             rows = out.shape[0]
-            x = dequantize_4bit(codes[:rows], inner[:rows], outer[:rows], group)
+            x = dequantize_4bit(*(a[:rows] for a in parts), group)
             out.copy_(torch.from_numpy(x))  # float32 -> bf16, rounded
             return out
     except (zstandard.ZstdError, ValueError, TypeError) as e:
