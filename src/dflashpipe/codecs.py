@@ -8,14 +8,17 @@
 - `fp4-zstd`:  e2m1 (FP4) values, 0, +-0.5, 1, 1.5, 2, 3, 4 and 6, times one scale per group of
                G elements along the hidden size (G = `extract.group_size`, 32 unless set),
                rounded to nearest, two codes a byte; each group's scale is an e4m3 byte
-               relative to a float32 one per token and layer (amax / (6 * 448)), so a
-               massive-activation channel widens only its own group's step. zstd on the codes
-               and, as a second frame, on the group scales. On the SmolLM2 recipe's real
-               features (5 taps of 576; benchmarks/RESULTS.md, "A 4-bit feature codec"): 1,362
-               bytes per token at G 32, 0.55x fp8-zstd's 2,479, relative error 0.025-0.113 per
-               tapped layer against fp8's 0.005-0.022. The integer grid -7..7 at the same G
-               stores 0.48x fp8 with 0.033-0.161, and at G 16 (0.55x, the same bytes) 0.119 in
-               the worst layer against e2m1's 0.113; stochastic rounding doubles the error.
+               relative to a float32 one per token and layer (amax / (6 * 448)). Each token's
+               FP4_OUTLIERS largest |values| per layer are kept as they are (channel and bf16
+               value) and quantized as 0: massive-activation channels would otherwise crush
+               the rest of their groups. zstd on the codes, the group scales and the outliers,
+               one frame each. On SmolLM2's real features (benchmarks/RESULTS.md, "A 4-bit
+               feature codec"), the recipe's 5 taps of 576: 1,453 bytes per token at G 32,
+               0.586x fp8-zstd's 2,479; relative error 0.012-0.068 per tapped layer (0.067-0.114
+               on the channels that are not massive) against fp8's 0.005-0.022. Measured and not
+               kept: the integer grid -7..7 (more error at the same bytes), stochastic rounding
+               (0.099 in the worst layer), no outliers (0.113; 0.245 on layer 14's other
+               channels).
 `encode` = `prepare` (element-wise, on whatever device holds the block: the GPU in extract) then
 `pack` (zstd, on the CPU, in worker threads that never touch CUDA; zstd releases the GIL).
 `decode` gives the bf16 tensor back.
