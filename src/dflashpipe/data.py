@@ -14,8 +14,10 @@ k)); every shard must have them.
 `quantized=True` (the train stage on a GPU): a pack whose samples all come from shards of one
 quantized codec carries the arrays as stored instead of `target_hidden`: fp8-zstd's e4m3 bytes and
 scales (`target_fp8` (tokens, n_layers*H) uint8, `target_scales` (tokens, n_layers) float32),
-fp4-zstd's packed codes, group scales and layer scales (`target_fp4` (tokens, n_layers*H/2)
-uint8, `target_group_scales` (tokens, n_layers*H/G) uint8, `target_scales`), and `to_device`
+fp4-zstd's packed codes, group scales, layer scales and kept outliers (`target_fp4` (tokens,
+n_layers*H/2) uint8, `target_group_scales` (tokens, n_layers*H/G) uint8, `target_scales`,
+`target_outlier_channels` and `target_outlier_values` (tokens, n_layers*4) int16, the values bf16
+bits), and `to_device`
 dequantizes them on the device: the workers only decompress, and a half (fp8) or about a quarter
 (fp4) of bf16's bytes cross to the GPU. The result is bit for bit the bf16 a worker would have
 made.
