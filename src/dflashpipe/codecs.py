@@ -19,6 +19,7 @@
                kept: the integer grid -7..7 (more error at the same bytes), stochastic rounding
                (0.099 in the worst layer), no outliers (0.113; 0.245 on layer 14's other
                channels).
+
 `encode` = `prepare` (element-wise, on whatever device holds the block: the GPU in extract) then
 `pack` (zstd, on the CPU, in worker threads that never touch CUDA; zstd releases the GIL).
 `decode` gives the bf16 tensor back.
@@ -44,7 +45,7 @@ from dflashpipe.errors import ConfigError, DataError
 CODECS = ("bf16-zstd", "fp8-zstd", "fp4-zstd", "raw")
 GROUPED = ("fp4-zstd",)  # codecs with a scale per group of `group_size` elements
 FP8_MAX = 448.0  # largest finite float8 e4m3fn
-# elements per scale where extract.group_size is unset (RESULTS.md, "A 4-bit codec")
+# elements per scale where extract.group_size is unset (RESULTS.md, "A 4-bit feature codec")
 FP4_GROUP = 32
 # a grid's 15 values, ascending and symmetric (level 7 is 0): fp4-zstd's, and the integer one
 # measured beside it and not kept (benchmarks/codecs.py)
@@ -52,7 +53,7 @@ E2M1_LEVELS = (-6.0, -4.0, -3.0, -2.0, -1.5, -1.0, -0.5, 0.0, 0.5, 1.0, 1.5, 2.0
 INT4_LEVELS = tuple(float(v) for v in range(-7, 8))
 # each token's largest |values| per layer that fp4-zstd keeps as they are, beside the 4-bit
 # codes (RESULTS.md, "A 4-bit feature codec": 4 take the worst layer's error from 0.113 to 0.068
-# for 90 more bytes a token on the recipe)
+# for 91 more bytes a token on the recipe)
 FP4_OUTLIERS = 4
 _local = threading.local()  # zstd contexts are not thread-safe: one per thread
 
@@ -98,9 +99,8 @@ def quantize_4bit(
     n_layers * H / group) uint8, the float32 scale of each token's layers (..., n_layers), and
     each token's `outliers` largest |values| per layer as they are, their channels (...,
     n_layers * k) int16 and bf16 values as int16 bits (..., n_layers * k), k = min(outliers,
-    H). A value is
-    the nearest of `levels` times its group's scale (`stochastic`: one of the two around it,
-    with the probability that makes it unbiased); an outlier's own place codes 0."""
+    H). A value is the nearest of `levels` times its group's scale (`stochastic`: one of the two
+    around it, with the probability that makes it unbiased); an outlier's own place codes 0."""
     x = block.float().unflatten(-1, (n_layers, -1))  # (..., L, H)
     k = min(outliers, x.shape[-1])
     where = x.abs().topk(k, dim=-1).indices  # (..., L, k)
@@ -473,7 +473,8 @@ def decode(
             x = dequantize_4bit(*(a[:rows] for a in parts), group)
             out.copy_(torch.from_numpy(x))  # float32 -> bf16, rounded
             return out
-    except (zstandard.ZstdError, ValueError, TypeError) as e:
+    # IndexError: a corrupt fp4 outlier channel
+    except (zstandard.ZstdError, ValueError, TypeError, IndexError) as e:
         raise DataError(f"cannot decode a {codec} block of {num_tokens}x{width}: {e}") from None
     raise ValueError(f"unknown codec {codec!r}; expected one of {CODECS}")
 
