@@ -152,7 +152,7 @@ def test_manifest_records_topk_and_refuses_mixed_shards(tiny_topk_features, tiny
         verify_shard(shards[0], {**m, "topk": 0})
     assert build_manifest(tiny_features["shards"])["topk"] == 0
     # the same layers, codec and target; only the soft targets differ
-    with pytest.raises(DataError, match="codec/layers/hidden size/target/topk differ"):
+    with pytest.raises(DataError, match="codec/group size/layers/hidden size/target/topk differ"):
         build_manifest([shards[0], tiny_features["shards"][1]])
 
 
