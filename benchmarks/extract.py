@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from transformers import LlamaConfig, LlamaModel, Qwen3Config, Qwen3Model
 
-from dflashpipe.codecs import prepare
+from dflashpipe.codecs import group_of, prepare
 from dflashpipe.config import Config
 from dflashpipe.extract import Extractor, forward_taps, truncate_base
 from dflashpipe.shards import FeatureShard, ShardInfo
@@ -103,7 +103,7 @@ def extract_tok_s(model, rows: list[dict], codec: str, level: int, out_dir: Path
            "extract": {"codec": codec, "zstd_level": level, "token_budget": budget, "encode_workers": None,
                        "direct_io": direct_io}}  # fmt: skip
     cfg = Config.from_dict(raw)
-    info = ShardInfo(codec, layers, hidden, {"name": "random"})
+    info = ShardInfo(codec, layers, hidden, {"name": "random"}, group_size=group_of(codec, None))
     ex = Extractor(cfg, model, layers, model.device)
     # warm-up: kernels, threads, and enough batches in flight to fill the pinned-memory cache
     ex.run(rows[:32], out_dir / "warmup.arrow", info, Counter())
@@ -152,7 +152,8 @@ def main() -> None:
         "--runs",
         nargs="+",
         default=["bf16-zstd:1", "bf16-zstd:1:direct", "fp8-zstd:1"],
-        help="codec:zstd_level[:direct]; direct = O_DIRECT writes (extract.direct_io on)",
+        help="codec:zstd_level[:direct]; direct = O_DIRECT writes (extract.direct_io on); "
+        "fp4-zstd takes its default group size",
     )
     ap.add_argument("--out", default="extract.json")
     ap.add_argument("--dir", default="/tmp", help="where shards are written (local disk)")

@@ -169,10 +169,31 @@ def _(env):
     "config-codec",
     "config",
     "a codec name that does not exist",
-    r"extract\.codec: 'gzip' is not one of \['bf16-zstd', 'fp8-zstd', 'raw'\]",
+    r"extract\.codec: 'gzip' is not one of \['bf16-zstd', 'fp8-zstd', 'fp4-zstd', 'raw'\]",
 )
 def _(env):
     return check_config(env, env.raw(extract={"codec": "gzip"}))
+
+
+@case(
+    "config-group-size-codec",
+    "config",
+    "a group size with a codec that has no groups",
+    r"extract\.group_size is 16 with extract\.codec fp8-zstd: only fp4-zstd quantizes in groups",
+)
+def _(env):
+    return check_config(env, env.raw(extract={"codec": "fp8-zstd", "group_size": 16}))
+
+
+@case(
+    "config-group-size-hidden",
+    "config",
+    "a group size that does not divide the target's hidden size",
+    r"extract\.group_size is 48, which must be even and divide the target's hidden size 64",
+)
+def _(env):
+    config = env.config(extract={"codec": "fp4-zstd", "group_size": 48})
+    return extract_run(env, config, env.features["dir"] / "seq-0.parquet")
 
 
 @case(
@@ -654,6 +675,60 @@ def _(env):
     manifest, _ = env.copy_features()
     edit_manifest(manifest, lambda m: m.update(codec="fp8-zstd"))
     return train_run(env, env.config(), manifest)
+
+
+@case(
+    "features-manifest-group-size",
+    "manifest",
+    "fp4 shards read as another group size than the one they were written with",
+    r"shard-00000\.arrow: group_size 32 differs from the manifest's 16",
+)
+def _(env):
+    manifest, shards = env.copy_features()
+    _as_fp4(shards)
+    edit_manifest(
+        manifest, lambda m: _vouch(m, shards) or m.update(codec="fp4-zstd", group_size=16)
+    )
+    return train_run(env, env.config(), manifest)
+
+
+@case(
+    "features-codec-mix",
+    "manifest",
+    "train.extra_features of another codec than the stage's own features",
+    r"train\.extra_features .*manifest\.json: feature manifest codec is 'fp4-zstd', but the "
+    r"consumer needs 'bf16-zstd'",
+)
+def _(env):
+    manifest, shards = env.copy_features()
+    extra = env.tmp / "extra"
+    shutil.copytree(manifest.parent, extra)
+    extra_shards = [extra / p.name for p in shards]
+    _as_fp4(extra_shards)
+    edit_manifest(extra / "manifest.json",
+                  lambda m: _vouch(m, extra_shards) or m.update(codec="fp4-zstd", group_size=32))  # fmt: skip
+    config = env.config(train={"extra_features": [str(extra / "manifest.json")]})
+    return train_run(env, config, manifest)
+
+
+def _as_fp4(shards: list[Path]) -> None:
+    """Rewrite shards' hidden blocks with fp4-zstd (groups of 32), in place."""
+    from dflashpipe.codecs import encode
+    from dflashpipe.shards import FeatureShard, ShardInfo, feature_row, write_shard
+
+    for path in shards:
+        shard = FeatureShard(path)
+        info, n = shard.info, len(shard.info.layer_ids)
+        rows = [feature_row(r["sample_id"], r["input_ids"].tolist(), r["loss_mask"].tolist(),
+                            encode(r["hidden"], "fp4-zstd", n, group_size=32)) for r in shard]  # fmt: skip
+        del shard
+        new = ShardInfo("fp4-zstd", info.layer_ids, info.hidden_size, info.target, info.topk, 32)
+        write_shard(path, rows, new)
+
+
+def _vouch(manifest: dict, shards: list[Path]) -> None:
+    for entry, path in zip(manifest["shards"], shards, strict=True):
+        entry.update(path=str(path), sha256=sha256_file(path), bytes=path.stat().st_size)
 
 
 @case(

@@ -4,6 +4,7 @@ import importlib.util
 import json
 import sys
 
+import pytest
 from conftest import REPO
 
 
@@ -53,3 +54,45 @@ def test_evaluate_benchmark_smoke(tmp_path):
             assert methods[name]["ms_per_step"] > 0 and methods[name]["steps"] > 0
         assert methods["engine (no graphs) target"]["x_target_step"] == 1.0
         assert methods["engine (no graphs) dflash"]["x_target_step"] > 1.0
+
+
+def test_loader_benchmark_smoke(tmp_path):
+    """Every codec's micro-batch time, the quantized ones also as stored, against the step."""
+    res = _script("loader").main(["--smoke", "--repeats", "2", "--out", str(tmp_path / "l.json")])
+    rows = res["smoke"]["rows"]
+    assert set(rows) == {"bf16-zstd", "fp8-zstd", "fp8-zstd quantized", "fp4-zstd",
+                         "fp4-zstd quantized"}  # fmt: skip
+    assert all(r["ms_per_batch"] > 0 and r["x_step"] > 0 for r in rows.values())
+
+
+def test_codecs_benchmark_on_a_shard(tmp_path):
+    """Bytes per token and error per layer for fp8, fp4 at each group size and the
+    alternatives, from a shard's states (random here, with one massive channel)."""
+    import torch
+
+    from dflashpipe.codecs import encode
+    from dflashpipe.shards import ShardInfo, feature_row, write_shard
+
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for i in range(3):
+        x = torch.randn(40, 2, 64, generator=g)
+        x[:, 1, 3] = 300.0  # a massive channel in the second tap
+        enc = encode(x.flatten(1).bfloat16(), "bf16-zstd", 2)
+        rows.append(feature_row(f"s-{i}", list(range(40)), [1] * 40, enc))
+    shard = write_shard(tmp_path / "s.arrow", rows, ShardInfo("bf16-zstd", [3, 7], 64, {}))
+    res = _script("codecs").main([str(shard), "--out", str(tmp_path / "c.json")])
+    q = res["quality"]
+    assert q["massive_channels"] == {"3": {}, "7": {"3": pytest.approx(300, rel=0.2)}}
+    v = {r["name"]: r for r in q["variants"]}
+    # 64 channels a layer: the 4 outliers a token and layer weigh more than at 576
+    assert v["fp8-zstd"]["x_fp8"] == 1.0 and v["fp4-zstd G32"]["x_fp8"] < 0.8
+    assert v["fp4-zstd G16"]["x_fp8"] > v["fp4-zstd G32"]["x_fp8"] > v["fp4-zstd G64"]["x_fp8"]
+    for name in ("fp4-zstd G16", "fp4-zstd G32", "fp4-zstd G64"):
+        assert 0 < v[name]["rel_error"]["3"] < 0.2
+    # a per-layer scale would crush layer 7's other channels; per group they keep their step
+    assert v["fp4-zstd G16"]["rel_error"]["7"] < 0.05
+    assert v["fp4-zstd G16"]["rel_error_massive"]["7"] < 0.01
+    assert v["e2m1 stochastic G32"]["rel_error"]["3"] > v["fp4-zstd G32"]["rel_error"]["3"]
+    assert v["int4 G32"]["x_fp8"] < v["fp4-zstd G32"]["x_fp8"]  # a flatter code histogram
+    assert {r["codec"] for r in res["runs"]} == {"raw", "bf16-zstd", "fp8-zstd", "fp4-zstd"}

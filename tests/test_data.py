@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from dflashpipe.data import PackedBatches, Sample, epoch_plan, index_samples, make_loader
@@ -80,35 +81,44 @@ def _shard(path, codec: str, lengths: list[int], seed: int, H: int = 32, taps=(0
     from dflashpipe.codecs import encode
     from dflashpipe.shards import ShardInfo, feature_row, write_shard
 
+    group = 16 if codec == "fp4-zstd" else None
     g = torch.Generator().manual_seed(seed)
     rows = []
     for i, n in enumerate(lengths):
         states = (torch.randn(n, len(taps) * H, generator=g) * 3).to(torch.bfloat16)
         ids = torch.randint(0, 100, (n,), generator=g).tolist()
         rows.append(feature_row(f"s{seed}-{i}", ids, [0] * 3 + [1] * (n - 3),
-                                encode(states, codec, len(taps))))  # fmt: skip
-    return write_shard(path, rows, ShardInfo(codec, list(taps), H, {"name": "random"}))
+                                encode(states, codec, len(taps), group_size=group)))  # fmt: skip
+    info = ShardInfo(codec, list(taps), H, {"name": "random"}, group_size=group)
+    return write_shard(path, rows, info)
 
 
-def test_quantized_packs_dequantize_on_the_device_to_the_workers_bf16(tmp_path):
-    """quantized=True: a pack of fp8-zstd samples carries e4m3 bytes + scales, and to_device
-    gives bit for bit the bf16 states a worker decodes (padding zero); a pack that mixes in a
-    bf16-zstd shard is decoded in the worker as before."""
+@pytest.mark.parametrize("codec", ["fp8-zstd", "fp4-zstd"])
+def test_quantized_packs_dequantize_on_the_device_to_the_workers_bf16(tmp_path, codec):
+    """quantized=True: a pack of fp8-zstd (fp4-zstd) samples carries the arrays as stored (e4m3
+    bytes + scales; packed codes + group and layer scales), and to_device gives bit for bit the
+    bf16 states a worker decodes (padding zero); a pack that mixes in a bf16-zstd shard is
+    decoded in the worker as before."""
     from dflashpipe.data import to_device
 
-    fp8 = _shard(tmp_path / "a.arrow", "fp8-zstd", [20, 33, 9, 41], seed=0)
+    quant = _shard(tmp_path / "a.arrow", codec, [20, 33, 9, 41], seed=0)
     bf16 = _shard(tmp_path / "b.arrow", "bf16-zstd", [17, 25], seed=1)
     samples = [Sample(0, i, n) for i, n in enumerate([20, 33, 9, 41])]
     samples += [Sample(1, i, n) for i, n in enumerate([17, 25])]
-    plan = [[0, 1, 2], [3], [1, 4]]  # fp8 only (with padding), fp8 only, fp8 + bf16
-    args = ([fp8, bf16], samples, plan, 72, 8, 0, 0)
+    plan = [[0, 1, 2], [3], [1, 4]]  # quantized only (with padding), quantized only, + bf16
+    args = ([quant, bf16], samples, plan, 72, 8, 0, 0)
     plain, quantized = PackedBatches(*args), PackedBatches(*args, quantized=True)
+    # 2 taps of 32: fp8 a byte per value + a scale per layer; fp4 half a byte + a group of 16
+    shapes = {"fp8-zstd": {"target_fp8": (72, 64), "target_scales": (72, 2)},
+              "fp4-zstd": {"target_fp4": (72, 32), "target_group_scales": (72, 4),
+                            "target_scales": (72, 2)}}[codec]  # fmt: skip
     for k in range(len(plan)):
         want, got = plain[k], quantized[k]
-        assert ("target_fp8" in got) == (k < 2) and ("target_hidden" in got) == (k == 2)
+        assert all((key in got) == (k < 2) for key in shapes) and ("target_hidden" in got) == (
+            k == 2
+        )
         if k < 2:
-            assert got["target_fp8"].dtype == torch.uint8 and got["target_fp8"].shape == (72, 64)
-            assert got["target_scales"].shape == (72, 2)
+            assert {key: tuple(got[key].shape) for key in shapes} == shapes
         moved = to_device(got, torch.device("cpu"))
         assert set(moved) == set(want)
         for key in want:

@@ -96,7 +96,8 @@ def test_paired_counts_and_extra_features_are_summarized(tmp_path):
         configured_speedup=1.1,
     )
     (tmp_path / "eval.json").write_text(json.dumps(ev))
-    extra = {"totals": {"samples": 7, "tokens": 300, "bytes": 5e5}, "codec": "fp8-zstd"}
+    extra = {"totals": {"samples": 7, "tokens": 300, "bytes": 5e5}, "codec": "fp4-zstd",
+             "group_size": 32}  # fmt: skip
     (tmp_path / "code.json").write_text(json.dumps(extra))
     run(*paths, str(tmp_path / "r"), str(tmp_path / "r.md"), [str(tmp_path / "code.json")])
     md = (tmp_path / "r.md").read_text()
@@ -106,7 +107,8 @@ def test_paired_counts_and_extra_features_are_summarized(tmp_path):
     # the timed best's speedup under its own name, the configured one's under the configured name
     assert "(prompt lookup at its best: 1.30x; configured `earliest n<=2 k=10 all`: 1.10x)" in md
     assert "- features: 10 samples, 500 tokens, 1.0 MB (bf16-zstd), layers [1, 2] of tiny" in md
-    assert f"- train.extra_features {tmp_path / 'code.json'}: 7 samples, 300 tokens, 0.5 MB" in md
+    assert (f"- train.extra_features {tmp_path / 'code.json'}: 7 samples, 300 tokens, 0.5 MB "
+            "(fp4-zstd, groups of 32)") in md  # fmt: skip
     with pytest.raises(DataError, match="not found"):
         run(*paths, str(tmp_path / "r"), str(tmp_path / "r.md"), [str(tmp_path / "gone.json")])
 

@@ -2,6 +2,7 @@
 over every leaf of the schema, the resume fingerprint, and real `snakemake -n` dry runs of a
 finished workflow copied (checkout and results) to another folder."""
 
+import itertools
 import json
 import re
 import shutil
@@ -35,6 +36,8 @@ OTHER = {
     "regenerate.enable_thinking": False,
     "regenerate.max_prompt_tokens": 100,
     "extract.encode_workers": 3,
+    # a group size only with the codec that has groups
+    "extract.group_size": {"extract.codec": "fp4-zstd", "extract.group_size": 16},
     "drafter.target_layer_ids": [0, 1],
     "drafter.mask_token_id": 5,
     "drafter.sliding_window": {"drafter.sliding_window": 64, "drafter.num_layers": 2},
@@ -61,6 +64,7 @@ DOWN_FROM = {
 EXPECTED = {
     "extract.codec": DOWN_FROM["extract"],
     "extract.topk": DOWN_FROM["extract"],
+    "extract.group_size": DOWN_FROM["extract"],
     "extract.max_length": DOWN_FROM["regenerate"],  # the answers' room
     "extract.encode_workers": set(),
     "extract.direct_io": set(),
@@ -154,6 +158,16 @@ def test_key_change_matrix(base):
         reruns = stages.downstream(direct)
         if key in EXPECTED:
             assert reruns == EXPECTED[key], (key, sorted(reruns), sorted(EXPECTED[key]))
+
+
+def test_a_group_size_edit_reruns_extract_and_nothing_upstream(base):
+    """The matrix changes the codec with the group size; here only the group size moves."""
+    fp4 = {"extract.codec": "fp4-zstd"}
+    runs = [Config.from_dict(_edited(base.raw, fp4 | {"extract.group_size": g}))
+            for g in (None, 16, 64)]  # fmt: skip
+    for a, b in itertools.combinations(runs, 2):
+        direct = {s for s in stages.STAGES if stages.digest(a, s) != stages.digest(b, s)}
+        assert direct == {"extract"}
 
 
 def test_resume_fingerprint_covers_what_train_reads_but_the_safe_keys():

@@ -362,6 +362,16 @@ class ExtractConfig:
     encode_workers: int | None
     direct_io: bool
     topk: int  # 0: no soft targets; k: the target's top-k next-token log-probs per position
+    # No schema default (unset stays out of extract's digest); None: fp4-zstd's 32
+    group_size: int | None = None
+
+    def check(self) -> None:
+        if self.group_size is not None and self.codec != "fp4-zstd":
+            raise ConfigError(
+                f"extract.group_size is {self.group_size} with extract.codec {self.codec}: only "
+                "fp4-zstd quantizes in groups, and this codec would ignore it; set it to null "
+                "or the codec to fp4-zstd"
+            )
 
 
 @section("properties", "drafter")

@@ -11,11 +11,16 @@ pure function of (seed, epoch, lengths, rank, world size), so a run resumes mid-
 carries the target's top-k next-token ids and log-probs (`topk_ids`, `topk_logprobs`: (tokens,
 k)); every shard must have them.
 
-`quantized=True` (the train stage on a GPU): a pack whose samples all come from fp8-zstd shards
-carries the stored e4m3 bytes and scales (`target_fp8` (tokens, n_layers*H) uint8,
-`target_scales` (tokens, n_layers) float32) instead of `target_hidden`, and `to_device`
-dequantizes them on the device: the workers only decompress, and half the bytes cross to the
-GPU. The result is bit for bit the bf16 a worker would have made.
+`quantized=True` (the train stage on a GPU): a pack whose samples all come from shards of one
+quantized codec carries the arrays as stored instead of `target_hidden`: fp8-zstd's e4m3 bytes and
+scales (`target_fp8` (tokens, n_layers*H) uint8, `target_scales` (tokens, n_layers) float32),
+fp4-zstd's packed codes, group scales, layer scales and kept outliers (`target_fp4` (tokens,
+n_layers*H/2) uint8, `target_group_scales` (tokens, n_layers*H/G) uint8, `target_scales`,
+`target_outlier_channels` and `target_outlier_values` (tokens, n_layers*4) int16, the values bf16
+bits), and `to_device`
+dequantizes them on the device: the workers only decompress, and a half (fp8) or about a quarter
+(fp4) of bf16's bytes cross to the GPU. The result is bit for bit the bf16 a worker would have
+made.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, get_worker_info
 
 from dflashpipe.anchors import sample_anchors
-from dflashpipe.codecs import dequantize_fp8
+from dflashpipe.codecs import QUANTIZED, STORED, dequantize, stored_parts
 from dflashpipe.errors import DataError
 from dflashpipe.shards import FeatureShard
 
@@ -149,7 +154,7 @@ class PackedBatches(Dataset):
         self.paths, self.samples, self.plan = shard_paths, samples, plan
         self.tokens, self.anchors, self.seed, self.epoch = tokens, anchors, seed, epoch
         self.topk = topk  # 0: soft targets are not read
-        self.quantized = quantized  # fp8 packs stay e4m3 bytes + scales (module docstring)
+        self.quantized = quantized  # fp8 / fp4 packs stay as stored (module docstring)
         self._shards: dict[int, FeatureShard] = {}  # opened lazily, once per worker process
 
     def __len__(self) -> int:
@@ -168,13 +173,13 @@ class PackedBatches(Dataset):
         mask = torch.zeros(T, dtype=torch.long)
         first = self._shard(self.samples[self.plan[k][0]].shard).info
         width, n_layers = len(first.layer_ids) * first.hidden_size, len(first.layer_ids)
-        quantized = self.quantized and all(
-            self._shard(self.samples[i].shard).info.codec == "fp8-zstd" for i in self.plan[k]
-        )
+        infos = [self._shard(self.samples[i].shard).info for i in self.plan[k]]
+        (codec, group), *more = {(info.codec, info.group_size) for info in infos}
+        quantized = self.quantized and not more and codec in QUANTIZED
         # each sample decodes straight into its rows of the batch; only the padding is zeroed
         if quantized:
-            q = _batch_tensor((T, width), torch.uint8)
-            scales = _batch_tensor((T, n_layers), torch.float32)
+            layout = stored_parts(codec, width, n_layers, group)
+            stored = {f"target_{name}": _batch_tensor((T, n), dtype) for name, n, dtype in layout}
         else:
             hidden = _batch_tensor((T, width), torch.bfloat16)
         soft = {}
@@ -187,7 +192,9 @@ class PackedBatches(Dataset):
             n = sample.length
             shard = self._shard(sample.shard)
             if quantized:
-                row = shard.sample_quantized(sample.row, q[at : at + n], scales[at : at + n])
+                row = shard.sample_stored(
+                    sample.row, tuple(t[at : at + n] for t in stored.values())
+                )
             else:
                 row = shard.sample(sample.row, out=hidden[at : at + n])
             ids[at : at + n] = row["input_ids"][:n]
@@ -199,8 +206,9 @@ class PackedBatches(Dataset):
             names.append(row["sample_id"])
             at += n
         if quantized:
-            q[at:], scales[at:] = 0, 0
-            states = {"target_fp8": q, "target_scales": scales}
+            for t in stored.values():
+                t[at:] = 0
+            states = stored
         else:
             hidden[at:] = 0
             states = {"target_hidden": hidden}
@@ -226,11 +234,13 @@ def _batch_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 
 
 def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
-    """A micro-batch on `device` with `target_hidden` in bf16 (a quantized pack's e4m3 bytes and
-    scales dequantized there)."""
+    """A micro-batch on `device` with `target_hidden` in bf16 (a quantized pack's stored arrays
+    dequantized there)."""
     b = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
-    if "target_fp8" in b:
-        b["target_hidden"] = dequantize_fp8(b.pop("target_fp8"), b.pop("target_scales"))
+    for codec, names in STORED.items():
+        if f"target_{names[0]}" in b:
+            parts = tuple(b.pop(f"target_{name}") for name in names)
+            b["target_hidden"] = dequantize(parts, codec)
     return b
 
 

@@ -32,7 +32,7 @@ from torch import nn
 from tqdm import tqdm
 
 from dflashpipe import faults
-from dflashpipe.codecs import pack, pack_topk, prepare
+from dflashpipe.codecs import check_group, group_of, pack, pack_topk, prepare
 from dflashpipe.config import Config
 from dflashpipe.errors import DataError
 from dflashpipe.loss import logit_rows
@@ -177,6 +177,9 @@ class Extractor:
                  head: nn.Module | None = None):  # fmt: skip
         ex = cfg.extract
         self.codec, self.level, self.budget = ex.codec, ex.zstd_level, ex.token_budget
+        self.group = group_of(ex.codec, ex.group_size)  # fp4-zstd's; None for the others
+        if self.group is not None:
+            check_group(self.group, base.config.hidden_size)
         self.direct_io, self.topk = ex.direct_io, ex.topk
         if self.topk and head is None:
             raise ValueError("extract.topk > 0 needs the target's LM head")
@@ -217,7 +220,8 @@ class Extractor:
         finite = torch.isfinite(hidden).logical_or(pad[..., None]).flatten(1).all(1)  # (B,)
         if soft:  # NaN logits give NaN log-probs (the clamp to float16's range keeps NaN)
             finite &= torch.isfinite(soft[1]).logical_or(pad[..., None]).flatten(1).all(1)
-        host = [self._to_host(p) for p in prepare(hidden, self.codec, len(self.layer_ids))]
+        parts = prepare(hidden, self.codec, len(self.layer_ids), self.group)
+        host = [self._to_host(p) for p in parts]
         soft_host = [self._to_host(p) for p in soft]  # top-k ids, log-probs
         finite_host = finite.to("cpu", non_blocking=True)
         event = torch.cuda.Event() if self.pinned else None
@@ -331,16 +335,18 @@ def run(cfg: Config, sequences: str, shard: int, out: str) -> None:
         stats: Counter = Counter()
         rows = read_sequences(Path(sequences), identity, ex.max_length, ex.overflow, stats)
         layer_ids = layer_ids_for(cfg, base.config.num_hidden_layers)
-        info = ShardInfo(ex.codec, layer_ids, base.config.hidden_size, identity, ex.topk)
+        group = group_of(ex.codec, ex.group_size)  # checked against the hidden size by Extractor
+        info = ShardInfo(ex.codec, layer_ids, base.config.hidden_size, identity, ex.topk, group)
         if not ex.topk:  # with soft targets every layer runs: the LM head reads the last one
             truncate_base(base, max(layer_ids))
         log.info(
-            "shard %d: %d samples on %s, layers %s, codec %s, %s",
+            "shard %d: %d samples on %s, layers %s, codec %s%s, %s",
             shard,
             len(rows),
             device,
             layer_ids,
             info.codec,
+            f" (groups of {group})" if group else "",
             f"top-{ex.topk} soft targets (all {len(base.layers)} layers and the LM head run)"
             if ex.topk
             else f"no soft targets (layers 0-{max(layer_ids)} run)",

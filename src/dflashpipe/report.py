@@ -223,8 +223,10 @@ def _eager(evaluation: dict) -> str:
 
 def _features(manifest: dict) -> str:
     totals = manifest["totals"]
+    group = manifest.get("group_size")  # fp4-zstd's; older manifests lack the key
+    codec = manifest["codec"] + (f", groups of {group}" if group else "")
     return (f"{totals['samples']} samples, {totals['tokens']} tokens, {totals['bytes'] / 1e6:.1f} "
-            f"MB ({manifest['codec']})")  # fmt: skip
+            f"MB ({codec})")  # fmt: skip
 
 
 def _engine(evaluation: dict) -> str:

@@ -4,7 +4,7 @@ One row per sample: `sample_id`, `input_ids` (int32), `loss_mask` (uint8), `num_
 encoded `hidden` block (T, n_layers * H) and its codec fields (`hidden_split`, `scales`); with
 top-k soft targets (extract.topk = k > 0) also `topk_ids` and `topk_logprobs`: zstd frames of
 (T, k) int32 / float16, row t the target's k most likely tokens at t + 1 (codecs.pack_topk). The
-schema metadata names the codec, dtype, layer ids, hidden size, top-k, format version and the
+schema metadata names the codec (and fp4-zstd's group size), dtype, layer ids, hidden size, top-k, format version and the
 target, so a consumer can refuse a shard it does not fit. Files are memory-mappable.
 """
 
@@ -20,7 +20,14 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
-from dflashpipe.codecs import CODECS, Encoded, decode, decode_fp8_undequantized, decode_topk
+from dflashpipe.codecs import (
+    CODECS,
+    GROUPED,
+    Encoded,
+    decode,
+    decode_stored,
+    decode_topk,
+)
 from dflashpipe.errors import DataError, IntegrityError
 from dflashpipe.storage import cached_sha256
 
@@ -56,11 +63,13 @@ class ShardInfo:
     hidden_size: int
     target: dict
     topk: int = 0  # k of the top-k soft-target columns; 0: the shard has none
+    group_size: int | None = None  # fp4-zstd's elements per scale; None for the other codecs
 
     def metadata(self) -> dict[str, str]:
         return {
             "format_version": FORMAT_VERSION,
             "codec": self.codec,
+            "group_size": json.dumps(self.group_size),
             "dtype": "bfloat16",
             "layer_ids": json.dumps(self.layer_ids),
             "hidden_size": str(self.hidden_size),
@@ -78,12 +87,16 @@ class ShardInfo:
                 )
             if m["codec"] not in CODECS:
                 raise DataError(f"{path}: unknown codec {m['codec']!r}; known: {list(CODECS)}")
+            group = json.loads(m.get("group_size", "null"))  # older shards: no grouped codec
+            if (group is None) == (m["codec"] in GROUPED):
+                raise DataError(f"{path}: codec {m['codec']} with group size {group}")
             return cls(
                 m["codec"],
                 json.loads(m["layer_ids"]),
                 int(m["hidden_size"]),
                 json.loads(m["target"]),
                 int(m.get("topk", 0)),  # shards written before soft targets existed have none
+                group,
             )
         except (KeyError, AttributeError, ValueError) as e:
             raise DataError(f"{path}: not a dflashpipe feature shard (metadata: {e})") from None
@@ -192,23 +205,26 @@ class FeatureShard:
         `topk_logprobs` (T, k) float16 too."""
         row, enc = self._row(i)
         n_layers = len(self.info.layer_ids)
-        row["hidden"] = decode(
-            enc, self.info.codec, row["num_tokens"], n_layers * self.info.hidden_size, n_layers,
-            out=out,
-        )  # fmt: skip
+        try:
+            row["hidden"] = decode(
+                enc, self.info.codec, row["num_tokens"], n_layers * self.info.hidden_size,
+                n_layers, out=out, group_size=self.info.group_size,
+            )  # fmt: skip
+        except DataError as e:
+            raise DataError(f"{self.path}, row {i}: {e}") from None
         return row
 
-    def sample_quantized(self, i: int, q: torch.Tensor, scales: torch.Tensor) -> dict:
-        """Row i of an fp8-zstd shard with its first m tokens' e4m3 bytes written into q (m,
-        n_layers * H) uint8 and their scales into `scales` (m, n_layers) float32, not dequantized
-        (codecs.dequantize_fp8 finishes them on the training device); `hidden` is None."""
-        if self.info.codec != "fp8-zstd":
-            raise ValueError(f"{self.path}: codec {self.info.codec}, not fp8-zstd")
+    def sample_stored(self, i: int, parts: tuple[torch.Tensor, ...]) -> dict:
+        """Row i of a quantized shard (fp8-zstd, fp4-zstd) with its first m tokens' arrays as
+        stored written into `parts` ((m, length) each, codecs.stored_parts' order), not
+        dequantized (codecs.dequantize finishes them on the training device); `hidden` is
+        None."""
         row, enc = self._row(i)
         n_layers = len(self.info.layer_ids)
         try:
-            decode_fp8_undequantized(enc, row["num_tokens"], n_layers * self.info.hidden_size,
-                                     n_layers, q, scales)  # fmt: skip
+            decode_stored(enc, self.info.codec, row["num_tokens"],
+                          n_layers * self.info.hidden_size, n_layers, parts,
+                          self.info.group_size)  # fmt: skip
         except DataError as e:
             raise DataError(f"{self.path}, row {i}: {e}") from None
         row["hidden"] = None
@@ -259,7 +275,8 @@ def build_manifest(shard_paths: list[Path]) -> dict:
             first = info
         elif info != first:
             raise DataError(
-                f"{path}: codec/layers/hidden size/target/topk differ from {shard_paths[0]}"
+                f"{path}: codec/group size/layers/hidden size/target/topk differ from "
+                f"{shard_paths[0]}"
             )
         tokens = int(pc.sum(shard.table.column("num_tokens")).as_py() or 0)
         shards.append(
@@ -278,6 +295,7 @@ def build_manifest(shard_paths: list[Path]) -> dict:
         "layer_ids": first.layer_ids,
         "hidden_size": first.hidden_size,
         "codec": first.codec,
+        "group_size": first.group_size,
         "topk": first.topk,
         "totals": {
             "samples": sum(s["samples"] for s in shards),
@@ -291,7 +309,7 @@ def build_manifest(shard_paths: list[Path]) -> dict:
 
 def check_manifest(manifest: dict, expected: dict) -> None:
     """Refuse features that do not fit a consumer: `expected` maps manifest keys (layer_ids,
-    hidden_size, codec, topk, or target.<field>) to the values the consumer needs."""
+    hidden_size, codec, group_size, topk, or target.<field>) to the values the consumer needs."""
     for key, want in expected.items():
         have = manifest
         for part in key.split("."):
@@ -313,8 +331,9 @@ def verify_shard(path: Path, manifest: dict) -> None:
             f"{path}: sha256 {got} does not match the manifest's {entry['sha256']}"
         )
     info = FeatureShard(path).info
-    recorded = {"topk": 0} | manifest  # manifests written before soft targets existed lack topk
-    for key in ("codec", "layer_ids", "hidden_size", "topk"):
+    # manifests written before soft targets / grouped codecs existed lack topk / group_size
+    recorded = {"topk": 0, "group_size": None} | manifest
+    for key in ("codec", "group_size", "layer_ids", "hidden_size", "topk"):
         if getattr(info, key) != recorded.get(key):
             raise DataError(
                 f"{path}: {key} {getattr(info, key)!r} differs from the manifest's {recorded.get(key)!r}"

@@ -125,12 +125,14 @@ def soft_targets_of(path: Path, manifest: dict, distill_weight: float) -> int:
 
 def extra_features(path: Path, own: dict, topk: int = 0) -> tuple[dict, list[Path]]:
     """(manifest, shard paths) of more features to train on (`train.extra_features`): they must
-    come from the same target (weights and tokenizer) with the same layers and hidden size as the
-    stage's own (and, with soft targets, the same top-k); their shards are the files of those
-    names beside the manifest."""
+    come from the same target (weights and tokenizer) with the same layers, hidden size, codec
+    and group size as the stage's own (a drafter trained on a mix of codecs would read inputs of
+    two error levels; and, with soft targets, the same top-k); their shards are the files of
+    those names beside the manifest."""
     manifest = read_manifest(path)
+    keys = ("layer_ids", "hidden_size", "codec", "group_size")
     try:
-        check_manifest(manifest, {key: own.get(key) for key in ("layer_ids", "hidden_size")}
+        check_manifest(manifest, {key: own.get(key) for key in keys}
                        | {f"target.{k}": own["target"].get(k)
                           for k in ("weights_sha256", "tokenizer_sha256")}
                        | ({"topk": topk} if topk else {}))  # fmt: skip
