@@ -32,7 +32,8 @@ def test_the_smollm2_gguf_shape_in_milliseconds(smollm2_dir):
     start = time.perf_counter()
     shape = read_target_shape(target)
     elapsed = time.perf_counter() - start
-    assert shape == TargetShape(30, 49152, f"{smollm2_dir}/{SMOLLM2_GGUF}", "llama", True)
+    name = f"{smollm2_dir}/{SMOLLM2_GGUF}"
+    assert shape == TargetShape(30, 49152, name, "llama", True, hidden_size=576)
     assert elapsed < 0.5, f"{elapsed:.3f} s: the metadata walk should stop early"
 
 
@@ -77,6 +78,16 @@ def test_hf_directories_and_what_is_not_local(tiny_target_dir, tmp_path):
 def test_skipped_where_the_target_is_not_local(data_dir):
     cfg = _config(data_dir, {"model": "resources/later"}, drafter={"target_layer_ids": [0, 99]})
     check_against_target(cfg)  # nothing to check the taps against yet: extract will
+
+
+def test_a_group_size_that_does_not_split_the_hidden_size_is_refused_at_start(data_dir):
+    """fp4-zstd's extract.group_size against the target's hidden size, before any job runs (not
+    when extract loads the target, after regenerate's GPU hours)."""
+    fp4 = {"codec": "fp4-zstd", "group_size": 40}
+    cfg = _config(data_dir, {"model": "x"}, extract=fp4)
+    check_fits_target(cfg, TargetShape(30, 100, "x", hidden_size=640))  # 640 = 16 x 40
+    with pytest.raises(ConfigError, match=r"extract\.group_size is 40, .* hidden size 576"):
+        check_fits_target(cfg, TargetShape(30, 100, "x", hidden_size=576))
 
 
 def test_default_taps_are_checked_and_named(data_dir):

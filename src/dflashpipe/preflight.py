@@ -39,6 +39,7 @@ if TYPE_CHECKING:
     from dflashpipe.config import Config, TargetConfig
 
 LAYER_KEYS = ("num_hidden_layers", "n_layer", "num_layers")  # HF config.json spellings
+HIDDEN_KEYS = ("hidden_size", "n_embd", "d_model")
 TOKENIZER_FILES = ("tokenizer_config.json", "chat_template.jinja", "chat_template.json")
 # Sources whose prompts can carry history; humaneval and python give one user message each.
 CONVERSATION_KINDS = ("sharegpt", "jsonl", "parquet", "hf")
@@ -56,6 +57,7 @@ class TargetShape:
     family: str | None = None
     chat_template: bool | None = None
     layer_types: tuple[str, ...] | None = None
+    hidden_size: int | None = None
 
     @classmethod
     def of(cls, hf_config, name: str) -> TargetShape:
@@ -63,7 +65,7 @@ class TargetShape:
         text = hf_config.get_text_config()
         kinds = getattr(text, "layer_types", None)
         return cls(text.num_hidden_layers, text.vocab_size, name, hf_config.model_type, None,
-                   tuple(kinds) if kinds else None)  # fmt: skip
+                   tuple(kinds) if kinds else None, text.hidden_size)  # fmt: skip
 
 
 def target_name(target: TargetConfig) -> str:
@@ -121,6 +123,10 @@ def check_fits_target(cfg: Config, shape: TargetShape) -> None:
             f"({vocab} tokens); expected an id below {vocab}, or null to choose one"
         )
     check_prompt_format(cfg, shape)
+    if shape.hidden_size and cfg.extract.group_size is not None:  # before regenerate's GPU hours
+        from dflashpipe.codecs import check_group  # torch: only where a group size is set
+
+        check_group(cfg.extract.group_size, shape.hidden_size)
 
 
 def check_prompt_format(cfg: Config, shape: TargetShape) -> None:
@@ -206,8 +212,9 @@ def _hf_shape(config_json: Path, name: str, tokenizer: str | None) -> TargetShap
     kinds = text.get("layer_types") or top.get("layer_types")
     # the tokenizer's files beside the config (a separate target.tokenizer: not known here)
     template = None if tokenizer else _has_template(config_json.parent)
+    hidden = next((d[k] for d in (text, top) for k in HIDDEN_KEYS if d.get(k) is not None), None)
     return TargetShape(int(layers), int(vocab), name, top.get("model_type"), template,
-                       tuple(kinds) if kinds else None)  # fmt: skip
+                       tuple(kinds) if kinds else None, hidden and int(hidden))  # fmt: skip
 
 
 def _has_template(root: Path) -> bool | None:
@@ -219,8 +226,9 @@ def _has_template(root: Path) -> bool | None:
     return bool(json.loads((root / TOKENIZER_FILES[0]).read_text()).get("chat_template"))
 
 
-def _gguf_shape(path: Path, name: str) -> tuple[int, int, str, str, bool]:
-    """(block_count, vocabulary, name, family, has a chat template) from a GGUF's metadata: the
+def _gguf_shape(path: Path, name: str) -> tuple:
+    """TargetShape's fields (block_count, vocabulary, name, family, has a chat template, no
+    layer types, embedding_length) from a GGUF's metadata: the
     key/value section is walked; arrays are skipped by their lengths (strings one by one),
     nothing but the few keys needed is decoded."""
     from gguf import GGUF_MAGIC, GGUFValueType
@@ -258,7 +266,10 @@ def _gguf_shape(path: Path, name: str) -> tuple[int, int, str, str, bool]:
             pos += 4
             if key == "general.architecture":
                 found["arch"], pos = string(pos)
-            elif key.endswith((".block_count", ".vocab_size")) and kind in scalar:
+            elif (
+                key.endswith((".block_count", ".vocab_size", ".embedding_length"))
+                and kind in scalar
+            ):
                 found[key] = struct.unpack_from("<" + scalar[kind], m, pos)[0]
                 pos += struct.calcsize(scalar[kind])
             elif key == "tokenizer.ggml.tokens" and kind == GGUFValueType.ARRAY:
@@ -273,4 +284,6 @@ def _gguf_shape(path: Path, name: str) -> tuple[int, int, str, str, bool]:
     if not (arch and layers and vocab):
         raise KeyError(f"{path}: no architecture, block_count or vocabulary in the GGUF metadata")
     template = "tokenizer.chat_template" in found
-    return int(layers), int(vocab), name, transformers_support.gguf_family(arch), template
+    hidden = found.get(f"{arch}.embedding_length")
+    family = transformers_support.gguf_family(arch)
+    return int(layers), int(vocab), name, family, template, None, hidden and int(hidden)
