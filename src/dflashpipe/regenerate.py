@@ -202,7 +202,8 @@ def plan_digest(
     gen: RegenerateConfig, target: str, width, batches: list[list[list[int]]], shard: int
 ) -> str:
     """What a shard's part files depend on: the stage's settings, the target, the shape (the
-    padded width of generate(), or the static engine's capacity) and every batch's prompt
+    padded width of generate() and, where fewer rows fit a call, those rows; or the static
+    engine's capacity) and every batch's prompt
     tokens, in order."""
     h = hashlib.sha256(json.dumps([asdict(gen), target, width, shard], sort_keys=True).encode())
     for batch in batches:
@@ -255,7 +256,9 @@ def decode_hf(model, tok, rows, prompts, batches, gen, eot, parts, max_batches, 
         max_rows = fitting_rows(model, gen.batch_size, widest, gen.max_new_tokens)
     except ValueError as e:
         raise ConfigError(f"regenerate.batch_size {gen.batch_size}: {e}") from None
-    parts.bind(plan_digest(gen, target, width, [[prompts[i] for i in b] for b in batches], shard))
+    # calls of fewer rows draw sampled answers (and round bf16 ones) otherwise: part of the plan
+    shape = width if max_rows >= gen.batch_size else [width, max_rows]
+    parts.bind(plan_digest(gen, target, shape, [[prompts[i] for i in b] for b in batches], shard))
     per_part = max(1, gen.save_every // gen.batch_size)
     done = parts.done()
     # part files are numbered by their first batch, answer s's batches after answer s-1's
