@@ -63,4 +63,10 @@ head_bytes=$(( ($(du -sb $R/a | cut -f1) + $(stat -c %s $R/gguf.zst)) / 2 - $(du
 head -c $head_bytes $R/gguf.zst > $R/a/gguf.zst.0
 tail -c +$((head_bytes + 1)) $R/gguf.zst > $R/b/gguf.zst.1
 rm $R/gguf.zst
-du -sb $R/a $R/b
+# a call carries its part beside the working tree (tracked and untracked-not-ignored files)
+tree=$(git ls-files -z -co --exclude-standard | du -cb --files0-from=- | tail -1 | cut -f1)
+for part in $R/a $R/b; do
+  total=$(( $(du -sb $part | cut -f1) + tree ))
+  echo "$part with the working tree: $total bytes (a call carries at most 67108864)"
+  if [ $total -gt 67108864 ]; then echo "pack.sh: $part does not fit one call" >&2; exit 1; fi
+done
