@@ -335,21 +335,23 @@ def test_lossless_check_off_skips_the_float32_pass(tiny_target_dir, target_confi
     assert metrics["settings"]["lossless_check"] is False
 
 
-@pytest.mark.parametrize("workers", [1, 2])
+@pytest.mark.parametrize("workers, checked", [(1, 2), (2, 2), (2, 1)])
 def test_lossless_prompts_checks_the_first_prompts_alone(
-    tiny_target_dir, target_config, eval_table, tmp_path, workers
+    tiny_target_dir, target_config, eval_table, tmp_path, workers, checked
 ):
-    """evaluate.lossless_prompts 2 of 3 prompts: the float32 pass decodes the first two (in one
-    process, or each slice its share), their responses carry a verdict and the third none, and
-    the fractions count the two; tau and speeds still cover all three."""
+    """evaluate.lossless_prompts of 3 prompts: the float32 pass decodes the first ones (in one
+    process, or each slice its share, none in a slice that holds none of them), their responses
+    carry a verdict and the others none, and the fractions count the checked ones; tau and
+    speeds still cover all three."""
     drafter_dir = _export(target_config, tmp_path / "drafter")
     target = TargetConfig(model=str(tiny_target_dir), dtype="bfloat16")
-    ev = EvaluateConfig(num_prompts=10, max_new_tokens=6, tree_nodes=[4], lossless_prompts=2,
+    ev = EvaluateConfig(num_prompts=10, max_new_tokens=6, tree_nodes=[4], lossless_prompts=checked,
                         workers=workers, methods=["target", "dflash", "ddtree"])  # fmt: skip
     metrics = run(target, drafter_dir, eval_table, tmp_path / "m.json", ev, "cpu")
     verdicts = [r["lossless"] for r in metrics["responses"]]
-    assert len(verdicts) == 3 and verdicts[2] is None and None not in verdicts[:2]
-    assert metrics["lossless_prompts"] == 2 and metrics["lossless_fraction"] == 1.0
+    assert len(verdicts) == 3 and None not in verdicts[:checked]
+    assert verdicts[checked:] == [None] * (3 - checked)
+    assert metrics["lossless_prompts"] == checked and metrics["lossless_fraction"] == 1.0
     assert metrics["ddtree"]["4"]["lossless_fraction"] == 1.0
     assert all(r["acceptance_length"] is not None for r in metrics["responses"])
 

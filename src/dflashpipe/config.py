@@ -458,6 +458,11 @@ class EvaluateConfig:
                 "(the speedups' baseline and the headline figures)"
             )
 
+    def lossless_count(self, prompts: int) -> int:
+        """How many of `prompts` the float32 lossless check decodes: the first lossless_prompts
+        of them, all where it is unset."""
+        return prompts if self.lossless_prompts is None else min(self.lossless_prompts, prompts)
+
     def slack(self, block_size: int, swept_drafts: int = 0) -> int:
         """Positions past the committed length that one step may write: a block, a tree of the
         largest budget plus its root, or the anchor and prompt lookup's drafts (with the sweep

@@ -32,7 +32,7 @@ import logging
 import platform
 import time
 from collections import Counter, defaultdict
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -178,11 +178,12 @@ class Responses:
 
 def decode_and_check(
     model, drafter, prompts: list[tuple[dict, list[int]]], ev: EvaluateConfig, stop_ids: set[int],
-    worker: str = "",
+    worker: str = "", lossless: int | None = None,
 ) -> Responses:  # fmt: skip
     """The timed responses per method in the run dtype, the float32 ones of target-only, DFlash
     and DDTree per budget, the engine used and the prompt-lookup sweep's replays on the
-    target-only outputs (Responses)."""
+    target-only outputs (Responses). `lossless`: how many of the first prompts the float32 pass
+    decodes (None: ev.lossless_count of them)."""
     n = ev.max_new_tokens
     max_len = max(len(ids) for _, ids in prompts) + n + slack(ev, drafter.config.block_size)
 
@@ -211,7 +212,9 @@ def decode_and_check(
     checked = [m for m in main if m == "target" or m == "dflash" or m.startswith("ddtree@")]
     if model.dtype == torch.float32:  # the timed responses are float32: every one is checked
         return Responses(main, {m: main[m] for m in checked}, timed.info(), swept)
-    checked_prompts = prompts if ev.lossless_prompts is None else prompts[: ev.lossless_prompts]
+    checked_prompts = prompts[: ev.lossless_count(len(prompts)) if lossless is None else lossless]
+    if not checked_prompts:  # a worker's slice holds none of the first lossless_prompts
+        return Responses(main, {m: [] for m in checked}, timed.info(), swept)
     # bf16 rounds a block forward and one-token forwards differently, so near-tied argmaxes
     # flip: losslessness is a float32 property, checked in float32 (a new engine: its buffers
     # and RoPE tables take the model's dtype; the bf16 one is dropped first). Its speed is not
@@ -240,13 +243,13 @@ def best_lookups(
 
 
 def _decode_slice(target_cfg: TargetConfig, drafter_dir: str, device: str, prompts: list,
-                  ev: EvaluateConfig, stop_ids: set[int], worker: str,
-                  threads: int = 1) -> Responses:  # fmt: skip
+                  ev: EvaluateConfig, stop_ids: set[int], worker: str, threads: int,
+                  lossless: int) -> Responses:  # fmt: skip
     """One worker process: its own copy of the models, one slice of the prompts, `threads` its
-    share of the cores."""
+    share of the cores, the first `lossless` of its prompts checked in float32."""
     torch.set_num_threads(threads)
     model, _, drafter = load_models(target_cfg, drafter_dir, torch.device(device))
-    return decode_and_check(model, drafter, prompts, ev, stop_ids, worker)
+    return decode_and_check(model, drafter, prompts, ev, stop_ids, worker, lossless)
 
 
 def decode_in_workers(
@@ -272,18 +275,22 @@ def decode_in_workers(
     if model.device.type == "cpu":
         threads = max(1, torch.get_num_threads() // workers)
         torch.set_num_threads(threads)
-    checked = (
-        len(prompts) if ev.lossless_prompts is None else min(ev.lossless_prompts, len(prompts))
-    )
+    checked = ev.lossless_count(len(prompts))
     # slice k checks its prompts among the first `checked`: k, k + workers, ...
-    evs = [replace(ev, lossless_prompts=len(range(k, checked, workers))) for k in range(workers)]
+    lossless = [len(range(k, checked, workers)) for k in range(workers)]
     with ProcessPoolExecutor(workers - 1, mp_context=get_context("spawn")) as pool:
         args = (target_cfg, str(drafter_dir), str(model.device))
         futures = [
-            pool.submit(_decode_slice, *args, part, evs[k], stop_ids, f" [{k}/{workers}]", threads)
+            pool.submit(
+                _decode_slice, *args, part, ev, stop_ids, f" [{k}/{workers}]", threads, lossless[k]
+            )
             for k, part in enumerate(slices[1:], start=1)
         ]
-        parts = [decode_and_check(model, drafter, slices[0], evs[0], stop_ids, f" [0/{workers}]")]
+        parts = [
+            decode_and_check(
+                model, drafter, slices[0], ev, stop_ids, f" [0/{workers}]", lossless[0]
+            )
+        ]
         parts += [f.result() for f in futures]
 
     def merged(lists: list[list[Decoded]]) -> list[Decoded]:
