@@ -12,7 +12,7 @@ import logging
 import torch
 
 from dflashpipe.config import RegenerateConfig
-from dflashpipe.decoding.memory import generate_rows
+from dflashpipe.decoding.memory import generate_rows, roomy_allocator
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +48,7 @@ def fitting_rows(model, batch_size: int, width: int, max_new_tokens: int) -> int
     """The rows one generate() call decodes: batch_size, or as many as the device's free memory
     holds (memory.generate_rows: the static cache, the prefill's activations, a step's buffers)
     with a warning; ValueError when not even one row fits."""
+    roomy_allocator(model.device)
     fit = generate_rows(model, batch_size, width, max_new_tokens)
     if fit == 0:
         raise ValueError(

@@ -42,6 +42,18 @@ def free_memory(device: torch.device) -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+def roomy_allocator(device: torch.device) -> None:
+    """Expandable segments for generate(): its prefill allocates tensors of several GB whose
+    shapes change from call to call, which fixed segments split until a larger request finds no
+    block (Qwen3-8B's shapes on an H100: 12.6 GB reserved but unusable, out of memory at the 201
+    rows the sizing allowed). The cached blocks go back to the device first, so the free memory
+    the sizing reads is all there is."""
+    if device.type == "cuda":  # torch 2.11 deprecates the older name (a FutureWarning)
+        settings = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+        (settings or torch.cuda.memory._set_allocator_settings)("expandable_segments:True")
+        torch.cuda.empty_cache()
+
+
 def check_fit(model: nn.Module, rows: int, capacity: int, budget: int | None = None) -> None:
     """Refuse (ValueError) rows x capacity whose cache and step buffers exceed `budget` bytes
     (None: MEMORY_SHARE of the device's free memory), before anything is allocated."""
