@@ -25,6 +25,7 @@ import transformers as tf
 import dflashpipe.decoding.ddtree  # noqa: F401 (registers the engine's "ddtree" steps)
 from dflashpipe.config import TargetConfig
 from dflashpipe.decoding.batched import BatchedEngine, Request
+from dflashpipe.decoding.concurrent import ConcurrentEngine
 from dflashpipe.decoding.eager import DFlashProposer, Target, greedy_decode, speculative_decode
 from dflashpipe.decoding.engine import Engine
 from dflashpipe.decoding.families import graph_safe_experts, layer_windows
@@ -219,6 +220,32 @@ def test_engine_equals_the_eager_loop(target, prompts, reference, drafter):
         eager.close()
         decoders.close()
     assert max(accepted) > 1  # whole verified blocks were accepted, not only bonus tokens
+
+
+@pytest.mark.parametrize("rows", [2, 8])
+def test_concurrent_rows_equal_one_at_a_time(target, prompts, reference, drafter, rows):
+    """evaluate.concurrency's engine: the 5 prompts decoded `rows` at a time (2: rows refilled
+    as answers end at different steps; 8: more rows than prompts, 3 idle) give, per prompt, the
+    tokens of target-only greedy decoding and the c = 1 engine's acceptances, for target-only,
+    DFlash and prompt lookup, in float32."""
+    model, tok = target
+    stops = {tok.eos_token_id}
+    lookup = LookupConfig(num_drafts=3, max_ngram_size=1)
+    engine = Engine(model, MAX_LEN, drafter)
+    one = {"dflash": [engine.dflash(ids, NEW, stops) for ids in prompts],
+           "prompt_lookup": [engine.lookup(ids, NEW, stops, PromptLookupProposer(3, 1))
+                             for ids in prompts]}  # fmt: skip
+    concurrent = ConcurrentEngine(engine, rows)
+    steps = {}
+    for method in ("target", "dflash", "prompt_lookup"):
+        got, wall = concurrent.decode(method, prompts, NEW, stops, lookup)
+        assert [d.output_ids for d in got] == reference, method
+        assert wall > 0
+        if method in one:
+            assert [d.accepted_lengths for d in got] == [d.accepted_lengths for d in one[method]]
+            assert [d.drafted for d in got] == [d.drafted for d in one[method]]
+            steps[method] = {len(d.accepted_lengths) for d in got}
+    assert len(steps["dflash"]) > 1  # rows finished at different steps
 
 
 def test_a_tree_verify_gives_the_hf_logits_of_each_path(target, prompts):

@@ -1,0 +1,453 @@
+"""Decoding at concurrency c: c sequences side by side on the static engine's models, as a
+serving engine batches its requests (evaluate.concurrency).
+
+    rows          c row slots, each with its own target K/V (c, Hkv, C, D per layer) and drafter
+                  context rows; a row holds one prompt at a time and takes the next from the
+                  queue when its answer ends (continuous batching), so rows never wait for
+                  each other's acceptance
+    prefill       a new prompt's forward on its own row (eager: its length varies)
+    greedy step   target([anchor_r] at slot T_r) for every row in one forward -> g_r
+    dflash step   drafter: c blocks [anchor_r, MASK x B-1] in one forward -> drafts (c, B-1);
+                  verify: target(c x B tokens) in one forward -> greedy (c, B); each row accepts
+                  its own matched prefix n_r and advances T_r by n_r + 1
+    lookup step   the host's drafts per row (padded to K, with their counts), verified as above
+    read back     (c, Q+1): [n_r + 1, g_r0..g_rQ-1] per row, one tensor per step
+
+Every row's position is its slot (a row's own cache starts at 0), so a step's mask is the row's
+slots up to each query's own (`cols <= slots`): the committed prefix and the chain before it.
+A row with nothing left to decode idles: its length is put back to 0 after each step, so its
+writes stay in its own first slots, and its outputs are dropped. Steps are fixed-shape functions
+over static buffers, compiled and captured as CUDA graphs where the engine is (engine.py).
+
+The layers are the static engine's: the same fused weights, RoPE tables, masks' windows and
+family functions (families.py), with a row dimension in front. Outputs equal the engine's c = 1
+decoding token for token in float32 (tests/test_families.py, every family). DDTree is not
+batched: evaluate measures it at c = 1 only.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch import Tensor, nn
+
+from dflashpipe.decoding.engine import Engine
+from dflashpipe.decoding.families import (
+    attend_cache,
+    fused_mlp,
+    layer_attention,
+    layer_out,
+    layer_qkv,
+    project_qkv,
+    rotate,
+    windowed,
+)
+from dflashpipe.decoding.lookup import LookupConfig, PromptLookupProposer
+from dflashpipe.decoding.memory import MEMORY_SHARE, free_memory
+from dflashpipe.decoding.static_models import (
+    capture,
+    compiled,
+    kv_buffer,
+    target_outputs,
+)
+from dflashpipe.decoding.types import Decoded, clock, finish
+from dflashpipe.model import Drafter, apply_rope
+
+
+def rows_inputs(
+    embed: nn.Module, tables: list[tuple[Tensor, Tensor]], cols: Tensor, ids: Tensor,
+    slots: Tensor, windows: list[int | None], groups: int,
+) -> tuple[Tensor, list[tuple[Tensor, Tensor]], tuple[Tensor, Tensor], list[Tensor]]:  # fmt: skip
+    """A step's inputs to the target's layers for ids (N, Q) at slots = positions (N, Q):
+    embeddings (N, Q, H), per RoPE table its rows (N, Q, 1, D), where the K/V go (rows (N, 1),
+    slots), and per entry of `windows` the folded mask (N, 1, g*Q, C): each query sees its row's
+    slots up to its own (within the window)."""
+    full = cols <= slots[..., None]  # (N, Q, C)
+    masks = [windowed(full, slots, cols, w).repeat(1, groups, 1)[:, None] for w in windows]
+    ropes = [(cos[slots][:, :, None], sin[slots][:, :, None]) for cos, sin in tables]
+    rows = torch.arange(ids.shape[0], device=ids.device)[:, None]
+    return embed(ids), ropes, (rows, slots), masks
+
+
+def rows_layer(
+    layer: nn.Module, x: Tensor, k_cache: Tensor, v_cache: Tensor, cos: Tensor, sin: Tensor,
+    index: tuple[Tensor, Tensor], mask: Tensor, fused: tuple,
+) -> Tensor:  # fmt: skip
+    """One target decoder layer over Q new tokens per row, x (N, Q, H): their K/V written at
+    the rows' own slots (index_put_, as the batched engine writes), attention over each row's
+    buffer (N, Hkv, C, D) under its mask."""
+    q, k, v = layer_qkv(layer, x, fused)  # (N, Q, Hq, D), (N, Q, Hkv, D)
+    rows, slots = index
+    k_cache[rows, :, slots] = rotate(k, cos, sin)  # (N, Q, Hkv, D)
+    v_cache[rows, :, slots] = v
+    y = layer_attention(layer, rotate(q, cos, sin).transpose(1, 2), k_cache, v_cache, mask)
+    return layer_out(layer, x, y.transpose(1, 2).flatten(2), fused)
+
+
+def rows_drafter_inputs(
+    drafter: Drafter, anchor: Tensor, mask_ids: Tensor, cos: Tensor, sin: Tensor, cols: Tensor,
+    offsets: Tensor, length: Tensor, windows: list[int | None], groups: int,
+) -> tuple[Tensor, tuple[Tensor, Tensor], Tensor, Tensor, list[Tensor]]:  # fmt: skip
+    """static_models.drafter_inputs per row: the blocks [anchor_r, MASK x B-1] (N, B) at
+    positions T_r..T_r+B-1 (length (N,)): embeddings (N, B, H), where their K/V go, RoPE rows
+    (N, B, 1, D) and per window the folded mask (N, 1, g*B, C) of the row's context and block."""
+    N, B = anchor.shape[0], offsets.shape[0]
+    x = drafter.embed_blocks(torch.cat([anchor[:, None], mask_ids.expand(N, -1)], 1))
+    slots = length[:, None] + offsets  # (N, B)
+    slot, j, T = offsets[None, :, None], cols[None, None, :], length[:, None, None]
+    kv_slot = j - T  # (N, 1, C): block slot of column j, negative for context
+    context, in_block = j < T, (kv_slot >= 0) & (kv_slot < B)
+    masks = []
+    for w in windows:
+        if w is None:
+            mask = (context | in_block).expand(N, B, -1)
+        else:
+            near = T + slot - j < w  # (N, B, C)
+            causal = (kv_slot <= slot) & (slot - kv_slot < w)
+            mask = (context & near) | (in_block & causal)
+        masks.append(mask.repeat(1, groups, 1)[:, None])
+    rows = torch.arange(N, device=anchor.device)[:, None]
+    return x, (rows, slots), cos[slots][:, :, None], sin[slots][:, :, None], masks
+
+
+def rows_drafter_layer(
+    layer: nn.Module, x: Tensor, k_cache: Tensor, v_cache: Tensor, cos: Tensor, sin: Tensor,
+    index: tuple[Tensor, Tensor], mask: Tensor, fused: tuple,
+) -> Tensor:  # fmt: skip
+    """static_models.drafter_layer per row: blocks x (N, B, H), their K/V at the rows' slots."""
+    attn = layer.self_attn
+    q, k, v = project_qkv(layer.input_layernorm(x), fused, attn.num_kv_heads, attn.head_dim)
+    q, k = attn.q_norm(q), attn.k_norm(k)  # (N, B, Hq, D), (N, B, Hkv, D)
+    rows, slots = index
+    k_cache[rows, :, slots] = apply_rope(k, cos, sin)
+    v_cache[rows, :, slots] = v
+    y = attend_cache(apply_rope(q, cos, sin).transpose(1, 2), k_cache, v_cache, mask, None)
+    x = x + attn.o_proj(y.transpose(1, 2).flatten(2))
+    return x + fused_mlp(layer.mlp, layer.post_attention_layernorm(x), fused)
+
+
+def rows_context(
+    drafter: Drafter, states: Tensor, kv: Tensor, weight: Tensor, cos: Tensor, sin: Tensor,
+    index: tuple[Tensor, Tensor],
+) -> None:  # fmt: skip
+    """static_models.context_rows per row: target states (N, Q, n_taps*H) projected into every
+    drafter layer's context K/V at the rows' slots = positions (index: rows (N, 1), slots
+    (N, Q)) of `kv` (2n, N, Hkv, C, D)."""
+    rows, slots = index
+    ctx = drafter.context(states)  # (N, Q, H)
+    n, D = len(drafter.layers), drafter.config.head_dim
+    proj = (ctx @ weight.T).unflatten(-1, (2 * n, -1, D))  # (N, Q, 2n, Hkv, D)
+    k = torch.stack([layer.self_attn.k_norm(proj[:, :, i]) for i, layer in enumerate(drafter.layers)], 2)  # fmt: skip
+    k = apply_rope(k, cos[slots][:, :, None, None], sin[slots][:, :, None, None])
+    kv[:, rows, :, slots] = torch.cat([k, proj[:, :, n:]], 2)  # (N, Q, 2n, Hkv, D)
+
+
+def rows_chain(drafter: Drafter, x: Tensor) -> Tensor:
+    """The greedy drafts (N, B-1) of slots 1..B-1 from the last layer's block rows (N, B, H)."""
+    return drafter.lm_head(drafter.norm(x[:, 1:])).argmax(-1)
+
+
+def accept_rows(
+    logits: Tensor, drafts: Tensor, count: Tensor | None, anchor: Tensor, packed: Tensor,
+    length: Tensor,
+) -> None:  # fmt: skip
+    """engine.accept_chain per row: greedy tokens g (N, Q) of logits (N, Q, V); n_r = row r's
+    matched prefix of drafts (N, Q-1) (only its first count_r can match; None: all);
+    anchor = g_{r, n_r}, packed = [n_r + 1, g_r] (N, Q+1), length += n + 1."""
+    greedy = logits.argmax(-1)  # (N, Q)
+    match = drafts == greedy[:, :-1]  # (N, Q-1)
+    if count is not None:  # pads never match
+        match &= torch.arange(drafts.shape[1], device=drafts.device) < count[:, None]
+    n = match.long().cumprod(1).sum(1)  # (N,)
+    anchor.copy_(greedy.gather(1, n[:, None])[:, 0])
+    packed[:, :1].copy_(n[:, None] + 1)
+    packed[:, 1:].copy_(greedy)
+    length.add_(n + 1)
+
+
+def rows_bytes(engine: Engine, rows: int) -> int:
+    """What `rows` row slots take: the target's and the drafter's K/V buffers of every row."""
+    t, d = engine.target, engine.drafter
+    size = t.kv.element_size()
+    out = rows * t.kv[0, 0].numel() * t.kv.shape[0] * size
+    if d is not None:
+        out += rows * d.kv[0, 0].numel() * d.kv.shape[0] * d.kv.element_size()
+    return out
+
+
+def check_rows(engine: Engine, rows: int, key: str = "evaluate.concurrency") -> None:
+    """Refuse (ValueError naming `key`) a concurrency below 1 or whose buffers exceed
+    MEMORY_SHARE of the device's free memory, before anything is allocated."""
+    if rows < 1:
+        raise ValueError(f"{key}: {rows} is below 1; a concurrency counts rows decoded at once")
+    need, budget = rows_bytes(engine, rows), int(MEMORY_SHARE * free_memory(engine.device))
+    if need > budget:
+        gib = 2**30
+        raise ValueError(
+            f"{key}: {rows} rows need {need / gib:.2f} GiB of K/V buffers (target and drafter, "
+            f"{engine.max_len} slots a row), more than the {budget / gib:.2f} GiB budget on "
+            f"{engine.device}; use a lower concurrency or shorter prompts / answers"
+        )
+
+
+@dataclass
+class _Row:
+    index: int  # the prompt's position in the request list
+    prompt: list[int]
+    out: list[int]
+    accepted: list[int] = field(default_factory=list)
+    drafted: list[int] = field(default_factory=list)
+    proposer: PromptLookupProposer | None = None
+
+
+class ConcurrentEngine:
+    """`rows` sequences decoded side by side (module docstring) on `engine`'s models: its
+    target and drafter modules, fused weights, RoPE tables and compile / graph settings; one
+    set of row buffers per instance."""
+
+    def __init__(self, engine: Engine, rows: int):
+        check_rows(engine, rows)
+        self.engine, self.rows = engine, rows
+        t, d = engine.target, engine.drafter
+        self.device, on = engine.device, engine.compiled
+        weight = t.base.embed_tokens.weight
+        self.kv, self.k, self.v = kv_buffer(
+            len(t.base.layers), (rows, t.num_kv_heads, t.capacity, t.head_dim), weight
+        )
+        if d is not None:
+            cfg = d.drafter.config
+            self.dkv, self.dk, self.dv = kv_buffer(
+                len(d.drafter.layers), (rows, cfg.num_key_value_heads, d.capacity, cfg.head_dim),
+                d.drafter.fc.weight,
+            )  # fmt: skip
+        self.inputs, self.layer = compiled(rows_inputs, on), compiled(rows_layer, on)
+        self.outputs = compiled(target_outputs, on)
+        self.draft_inputs = compiled(rows_drafter_inputs, on)
+        self.draft_layer = compiled(rows_drafter_layer, on)
+        self.context = compiled(rows_context, on)
+        self.chain = compiled(rows_chain, on)
+        long = {"dtype": torch.long, "device": self.device}
+        self.length = torch.zeros(rows, **long)
+        self.anchor = torch.zeros(rows, **long)
+        self.idle = torch.zeros(rows, dtype=torch.bool, device=self.device)
+        self.packed: dict[str, Tensor] = {}
+        self.drafts: dict[str, Tensor] = {}  # lookup@K: (rows, K+1) [count, d_1..d_K]
+        self.plans: dict[str, Tensor] = {}  # their host copies (the drafted counts)
+        self.steps: dict[str, Callable[[], None]] = {}
+        self._graphs: dict[str, torch.cuda.CUDAGraph] = {}
+        self._pool = None
+
+    # -- device work -------------------------------------------------------------------------
+
+    def _forward(
+        self, ids: Tensor, slots: Tensor, ks: Sequence[Tensor], vs: Sequence[Tensor], taps: bool,
+        eager: bool = False,
+    ) -> tuple[Tensor, Tensor | None]:  # fmt: skip
+        t = self.engine.target
+        inputs, layer, outputs = (
+            (rows_inputs, rows_layer, target_outputs)
+            if eager
+            else (self.inputs, self.layer, self.outputs)
+        )
+        x, ropes, index, masks = inputs(t.base.embed_tokens, t.tables, t.cols, ids, slots,
+                                        t.windows, t.groups)  # fmt: skip
+        tapped = {}
+        for i, lay in enumerate(t.base.layers):
+            cos, sin = ropes[t.rope_of[i]]
+            x = layer(lay, x, ks[i], vs[i], cos, sin, index, masks[t.mask_of[i]], t.fused[i])
+            if i in t.layer_ids:
+                tapped[i] = x
+        if eager:  # a prefill: only its last row's logits are read
+            x = x[:, -1:]
+        taps_in_order = [tapped[i] for i in t.layer_ids] if taps else []
+        return outputs(t.base.norm, t.model.lm_head, x, taps_in_order, t.softcap)
+
+    def _propose(self) -> Tensor:
+        d = self.engine.drafter
+        x, index, cos, sin, masks = self.draft_inputs(
+            d.drafter, self.anchor, d.masks_ids, d.cos, d.sin, d.cols, d.offsets, self.length,
+            d.windows, d.groups,
+        )  # fmt: skip
+        by_window = dict(zip(d.windows, masks, strict=True))
+        for i, layer in enumerate(d.drafter.layers):
+            mask = by_window[layer.self_attn.sliding_window]
+            x = self.draft_layer(layer, x, self.dk[i], self.dv[i], cos, sin, index, mask,
+                                 d.fused[i])  # fmt: skip
+        return self.chain(d.drafter, x)  # (N, B-1)
+
+    def _greedy_step(self) -> None:
+        slots = self.length[:, None]  # (N, 1)
+        logits, _ = self._forward(self.anchor[:, None], slots, self.k, self.v, False)
+        empty = self.anchor.new_zeros(self.rows, 0)
+        accept_rows(logits, empty, None, self.anchor, self.packed["greedy"], self.length)
+        self._rest()
+
+    def _dflash_step(self) -> None:
+        d = self.engine.drafter
+        drafts = self._propose()  # (N, B-1)
+        slots = self.length[:, None] + d.offsets  # (N, B)
+        ids = torch.cat([self.anchor[:, None], drafts], 1)
+        logits, states = self._forward(ids, slots, self.k, self.v, True)
+        rows = torch.arange(self.rows, device=self.device)[:, None]
+        self.context(d.drafter, states, self.dkv, d.context_weight, d.cos, d.sin, (rows, slots))
+        accept_rows(logits, drafts, None, self.anchor, self.packed["dflash"], self.length)
+        self._rest()
+
+    def _lookup_step(self, kind: str) -> None:
+        plan = self.drafts[kind]
+        count, drafts = plan[:, 0], plan[:, 1:]  # (N,), (N, K)
+        slots = self.length[:, None] + torch.arange(drafts.shape[1] + 1, device=self.device)
+        ids = torch.cat([self.anchor[:, None], drafts], 1)
+        logits, _ = self._forward(ids, slots, self.k, self.v, False)
+        accept_rows(logits, drafts, count, self.anchor, self.packed[kind], self.length)
+        self._rest()
+
+    def _rest(self) -> None:
+        """Idle rows back to length 0 (their writes stay in their first slots)."""
+        self.length.masked_fill_(self.idle, 0)
+
+    def _prefill(self, r: int, prompt: list[int], taps: bool) -> int:
+        """Prompt into row r's buffers (slots 0..P-1); returns the first new token."""
+        ids = torch.tensor([prompt], dtype=torch.long, device=self.device)  # (1, P)
+        slots = torch.arange(len(prompt), device=self.device)[None]
+        ks, vs = [k[r : r + 1] for k in self.k], [v[r : r + 1] for v in self.v]
+        logits, states = self._forward(ids, slots, ks, vs, taps, eager=True)
+        if taps:
+            d = self.engine.drafter
+            index = (torch.zeros(1, 1, dtype=torch.long, device=self.device), slots)
+            rows_context(d.drafter, states, self.dkv[:, r : r + 1], d.context_weight, d.cos,
+                         d.sin, index)  # fmt: skip
+        first = logits[0, -1].argmax()
+        self.anchor[r] = first
+        self.length[r] = len(prompt)
+        return int(first)
+
+    # -- steps and graphs --------------------------------------------------------------------
+
+    def _kind(self, method: str, lookup: LookupConfig | None) -> tuple[str, int]:
+        """The step kind of `method` and its tokens per row (registered on first use)."""
+        long = {"dtype": torch.long, "device": self.device}
+        if method == "target":
+            kind, q, step = "greedy", 1, self._greedy_step
+        elif method == "dflash":
+            if self.engine.drafter is None:
+                raise ValueError("this engine was built without a drafter; DFlash needs one")
+            kind, q, step = "dflash", self.engine.drafter.block_size, self._dflash_step
+        elif method == "prompt_lookup" and lookup is not None:
+            K = lookup.num_drafts
+            kind, q = f"lookup@{K}", K + 1
+            self.drafts.setdefault(kind, torch.zeros(self.rows, K + 1, **long))
+            self.plans.setdefault(kind, torch.zeros(self.rows, K + 1, dtype=torch.long))
+            step = lambda: self._lookup_step(kind)  # noqa: E731
+        else:
+            raise ValueError(f"no batched step for method {method!r} (DDTree runs at c = 1 only)")
+        if kind not in self.steps:
+            self.packed[kind] = torch.zeros(self.rows, q + 1, **long)
+            self.steps[kind] = step
+        return kind, q
+
+    def _capture(self, kind: str) -> None:
+        """The step's CUDA graph, recorded once per kind before any row holds a prompt (the
+        warm-up runs write the rows' first slots)."""
+        if self.engine.graphs and kind not in self._graphs:
+            self._pool = self._pool or torch.cuda.graph_pool_handle()
+
+            def reset() -> None:
+                self.length.zero_()
+                self.anchor.zero_()
+
+            self.idle.fill_(False)
+            self._graphs[kind] = capture(self.steps[kind], self.device, self._pool, reset)
+
+    def _run(self, kind: str) -> None:
+        if self.engine.graphs:
+            self._graphs[kind].replay()
+        else:
+            self.steps[kind]()
+
+    def prepare(self, method: str, lookup: LookupConfig | None = None) -> None:
+        """Compile and capture `method`'s step before any timing (decode does it too)."""
+        kind, _ = self._kind(method, lookup)
+        self.length.zero_()
+        self.anchor.zero_()
+        self.idle.fill_(False)
+        self._capture(kind)
+        if not self.engine.graphs:
+            self._run(kind)  # compiles, where the engine compiles
+
+    # -- the loop ----------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def decode(
+        self, method: str, prompts: Sequence[list[int]], max_new_tokens: int, stop_ids: set[int],
+        lookup: LookupConfig | None = None,
+    ) -> tuple[list[Decoded], float]:  # fmt: skip
+        """Every prompt decoded with `method` ("target", "dflash", "prompt_lookup" with the
+        `lookup` configuration, a proposer of it per row), `rows` at a time with refill; the
+        responses in prompt order and the wall time of the whole (prefills included)."""
+        kind, q = self._kind(method, lookup)
+        self._capture(kind)
+        slack = 0 if kind == "greedy" else q
+        for p in prompts:
+            self.engine._check_fit(len(p), max_new_tokens, slack)
+        queue = deque(enumerate(prompts))
+        busy: dict[int, _Row] = {}
+        done: list[Decoded | None] = [None] * len(prompts)
+        taps = kind == "dflash"
+        t0 = clock(self.device)
+
+        def admit(r: int) -> None:
+            while queue:
+                i, p = queue.popleft()
+                row = _Row(i, list(p), [self._prefill(r, list(p), taps)])
+                if lookup is not None:
+                    row.proposer = PromptLookupProposer(**asdict(lookup))
+                    row.proposer.start(list(p), None)
+                if row.out[0] in stop_ids or max_new_tokens <= 1:
+                    done[i] = _decoded(row, max_new_tokens, stop_ids)
+                    continue
+                busy[r] = row
+                self.idle[r] = False
+                return
+            self.idle[r] = True
+            self.length[r] = 0
+
+        for r in range(self.rows):
+            admit(r)
+        while busy:
+            if kind.startswith("lookup@"):
+                self._plan_lookups(kind, busy)
+            self._run(kind)
+            packed = self.packed[kind].tolist()  # the step's one read-back
+            for r in list(busy):
+                row = busy[r]
+                count, *greedy = packed[r]
+                new = greedy[:count]
+                row.out += new
+                if kind != "greedy":  # per verify step, as the c = 1 engine counts
+                    row.accepted.append(len(new))
+                    row.drafted.append(q - 1 if kind == "dflash" else int(self.plans[kind][r, 0]))
+                if len(row.out) >= max_new_tokens or any(t in stop_ids for t in new):
+                    done[row.index] = _decoded(row, max_new_tokens, stop_ids)
+                    del busy[r]
+                    admit(r)
+        wall = clock(self.device) - t0
+        return [d for d in done if d is not None], wall
+
+    def _plan_lookups(self, kind: str, busy: dict[int, _Row]) -> None:
+        """Each busy row's host drafts (padded to K, with their count) into the step's input."""
+        K = self.drafts[kind].shape[1] - 1
+        plan = self.plans[kind].zero_()
+        for r, row in busy.items():
+            drafts = row.proposer.propose(row.prompt + row.out)[:K]
+            plan[r, 0] = len(drafts)
+            plan[r, 1 : 1 + len(drafts)] = torch.tensor(drafts, dtype=torch.long)
+        self.drafts[kind].copy_(plan)
+
+
+def _decoded(row: _Row, max_new_tokens: int, stop_ids: set[int]) -> Decoded:
+    out, reason = finish(row.out, max_new_tokens, stop_ids)
+    return Decoded(out, reason, 0.0, 0.0, row.accepted, row.drafted)
