@@ -4,6 +4,7 @@ import json
 
 import pytest
 import torch
+from PIL import Image
 from transformers import AutoConfig
 
 from dflashpipe.config import TargetConfig
@@ -14,6 +15,7 @@ from dflashpipe.evaluate import EvaluateConfig, check_fit, read_eval_prompts, ru
 from dflashpipe.export import save_drafter
 from dflashpipe.model import Drafter, DrafterConfig
 from dflashpipe.prompts import Prompt, prompt_key, write_prompts
+from dflashpipe.report import plot_concurrency, under_load
 
 BLOCK = 4
 
@@ -378,3 +380,49 @@ def test_the_best_prompt_lookup_fits_the_engine_without_ddtree(
     best = LookupConfig(16, 2, "earliest", "all")  # the grid's most drafts
     [out] = decoders.lookup_all([({}, ids)], [best], 8, set(), "best")
     assert len(out.output_ids) == 8
+
+
+def test_concurrency_levels_decode_the_same_answers(tiny_target_dir, target_config, eval_table,
+                                                    tmp_path):  # fmt: skip
+    """evaluate.concurrency [2, 5]: the 3 prompts that fit decoded 2 and 5 at a time (a refill;
+    more rows than prompts) and 1 at a time, each method's answers and DFlash's tau equal the
+    per-prompt pass's in float32, and speedups are against target-only at the same level."""
+    drafter_dir = _export(target_config, tmp_path / "drafter")
+    ev = EvaluateConfig(num_prompts=10, max_new_tokens=8, prompt_lookup_num_tokens=3,
+                        methods=["target", "dflash", "prompt_lookup"], concurrency=[2, 5],
+                        lossless_prompts=1)  # fmt: skip
+    metrics = run(TargetConfig(model=str(tiny_target_dir)), drafter_dir, eval_table,
+                  tmp_path / "m.json", ev, "cpu")  # fmt: skip
+    figures = metrics["concurrency"]
+    assert sorted(figures["levels"], key=int) == ["1", "2", "5"] and figures["largest"] == 5
+    for c, row in figures["levels"].items():
+        assert set(row) == {"target", "dflash", "prompt_lookup"}, c
+        assert all(r["same_as_one_at_a_time"] == 1.0 for r in row.values()), c
+        assert row["target"]["speedup"] == 1.0 and row["dflash"]["tokens_per_s"] > 0
+        assert row["dflash"]["acceptance_length"] == pytest.approx(metrics["acceptance_length"])
+        ratio = row["dflash"]["tokens_per_s"] / row["target"]["tokens_per_s"]
+        assert row["dflash"]["speedup"] == pytest.approx(ratio)
+    below = [int(c) for c, r in figures["levels"].items() if r["dflash"]["speedup"] < 1.0]
+    assert figures["dflash_below_target_at"] == (min(below) if below else None)
+    # the report draws and tables them
+    plot_concurrency(metrics, tmp_path / "concurrency.png")
+    assert Image.open(tmp_path / "concurrency.png").size[0] > 0
+    text = under_load(metrics, "img")
+    rows = [line for line in text.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert [r.split(" | ")[0][2:] for r in rows] == ["1", "2", "5"]
+    assert ("slower than target-only from concurrency" in text) == bool(below)
+    assert under_load({k: v for k, v in metrics.items() if k != "concurrency"}, "img") == ""
+
+
+@pytest.mark.parametrize("levels", [[0], [10**9]])
+def test_a_concurrency_that_cannot_run_is_refused_before_decoding(
+    tiny_target_dir, target_config, eval_table, tmp_path, levels
+):
+    """Below 1 (the schema) or beyond the memory's K/V buffers: refused naming the key, with
+    no metrics written."""
+    drafter_dir = _export(target_config, tmp_path / "drafter")
+    out = tmp_path / "m.json"
+    with pytest.raises(ConfigError, match="evaluate.concurrency"):
+        ev = EvaluateConfig(num_prompts=2, max_new_tokens=6, concurrency=levels)
+        run(TargetConfig(model=str(tiny_target_dir)), drafter_dir, eval_table, out, ev, "cpu")
+    assert not out.exists()

@@ -445,6 +445,7 @@ class EvaluateConfig:
     lossless_check: bool
     lossless_prompts: int | None
     workers: int
+    concurrency: list[int]
     methods: list[str]
     tree_nodes: list[int]
     tree_top_k: int

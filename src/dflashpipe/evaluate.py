@@ -12,6 +12,9 @@
          target-only, DFlash and DDTree decoded again for the lossless check
       ─► prompt lookup's grid (decoding/lookup.py GRID) replayed on the target-only outputs:
          every configuration's tau per source, the best per source is the baseline
+      ─► evaluate.concurrency with a level c > 1, before all of the above: every prompt
+         decoded c at a time (decoding/concurrent.py, continuous refill) for each level and
+         c = 1, target-only, DFlash and prompt lookup: `concurrency` in metrics.json
       ─► metrics.json: DFlash's figures at the top level (as before), every method's tau,
          speed and speedup in `methods`, DDTree's per budget in `ddtree`, the engine in `engine`,
          the target's resolved attention and prompt format (`attn_implementation`, `prompt_format`)
@@ -41,9 +44,12 @@ import transformers
 
 from dflashpipe.chat import encode_prompt, end_of_turn_ids, prompt_format
 from dflashpipe.config import EvaluateConfig, TargetConfig
+from dflashpipe.decoding.concurrent import ConcurrentEngine, check_rows
+from dflashpipe.decoding.engine import Engine
+from dflashpipe.decoding.families import check_target
 from dflashpipe.decoding.lookup import GRID, LookupConfig, sweep
 from dflashpipe.decoding.runner import Decoders
-from dflashpipe.decoding.summary import best_per_source, summarize
+from dflashpipe.decoding.summary import _mean, best_per_source, summarize
 from dflashpipe.decoding.types import Decoded
 from dflashpipe.errors import ConfigError, DataError
 from dflashpipe.export import CONFIG_NAME, config_from_dict, load_drafter
@@ -232,6 +238,81 @@ def decode_and_check(
         fp32.close()
 
 
+ConcurrencyRuns = dict[
+    int, dict[str, tuple[list[Decoded], float]]
+]  # c -> method -> (responses, wall s)
+
+
+def decode_concurrent(
+    model, drafter, prompts: list[tuple[dict, list[int]]], ev: EvaluateConfig, stop_ids: set[int]
+) -> ConcurrencyRuns:
+    """evaluate.concurrency's pass: where a level is above 1, every prompt decoded c at a time
+    for each level and for c = 1 (the curve's start, measured the same way), target-only, DFlash
+    and prompt lookup (its configured setting) on one static engine's models. Refused before
+    any decoding where the target has no static engine or the largest level's buffers do not
+    fit (naming the key). {} when every level is 1."""
+    levels = sorted({1, *ev.concurrency})
+    if levels == [1]:
+        return {}
+    try:
+        check_target(model)
+    except ValueError as e:
+        raise ConfigError(
+            f"evaluate.concurrency {ev.concurrency} needs the static engine: {e}"
+        ) from e
+    n = ev.max_new_tokens
+    max_len = max(len(ids) for _, ids in prompts) + n + slack(ev, drafter.config.block_size)
+    engine = Engine(model, max_len, drafter)
+    try:
+        check_rows(engine, levels[-1])
+    except ValueError as e:
+        raise ConfigError(str(e)) from e
+    methods = ["target", "dflash"] + (["prompt_lookup"] if "prompt_lookup" in ev.methods else [])
+    lookup, ids = configured_lookup(ev), [p for _, p in prompts]
+    runs: ConcurrencyRuns = {}
+    for c in levels:
+        rows = ConcurrentEngine(engine, c)
+        for m in methods:  # compiled and captured before any timing
+            rows.prepare(m, lookup)
+        runs[c] = {m: rows.decode(m, ids, n, stop_ids, lookup) for m in methods}
+        log.info("concurrency %d: %s", c, ", ".join(
+            f"{m} {sum(len(d.output_ids) for d in out) / wall:.1f} tok/s"
+            for m, (out, wall) in runs[c].items()))  # fmt: skip
+        del rows
+        if model.device.type == "cuda":
+            torch.cuda.empty_cache()
+    return runs
+
+
+def concurrency_figures(runs: ConcurrencyRuns, one_at_a_time: dict[str, list[Decoded]]) -> dict:
+    """metrics.json's `concurrency`: per level and method generated tok/s (every token over the
+    wall time, prefills included), speedup against target-only at that level, tau, and the
+    share of responses equal to the per-prompt pass's in the run dtype (1.0 in float32; bf16
+    may flip near-ties where the batch changes the rounding); the lowest level where DFlash is
+    slower than target-only (None: not reached up to the largest)."""
+    levels: dict[str, dict] = {}
+    for c, by_method in sorted(runs.items()):
+        rates = {
+            m: sum(len(d.output_ids) for d in out) / wall for m, (out, wall) in by_method.items()
+        }
+        levels[str(c)] = {
+            m: {
+                "tokens_per_s": rates[m],
+                "speedup": rates[m] / rates["target"],
+                "acceptance_length": _mean([t for d in out if (t := d.acceptance_length) is not None]),
+                "wall_s": wall,
+                "same_as_one_at_a_time": _mean([
+                    float(d.output_ids == ref.output_ids)
+                    for d, ref in zip(out, one_at_a_time.get(m, []), strict=False)
+                ]),
+            }
+            for m, (out, wall) in by_method.items()
+        }  # fmt: skip
+    below = [int(c) for c, row in levels.items() if row["dflash"]["speedup"] < 1.0]
+    return {"levels": levels, "dflash_below_target_at": min(below) if below else None,
+            "largest": max(runs)}  # fmt: skip
+
+
 def best_lookups(
     prompts: list[tuple[dict, list[int]]], swept: dict[str, list[Decoded]]
 ) -> list[LookupConfig]:
@@ -369,6 +450,7 @@ def run(
     log.info("%d prompts on %s in %s, %d worker process(es) (skipped %s)", len(prompts), device,
              run_dtype, min(ev.workers, len(prompts)), dict(skipped))  # fmt: skip
     stop_ids = end_of_turn_ids(tok)
+    concurrent = decode_concurrent(model, drafter, prompts, ev, stop_ids)
     responses = decode_in_workers(model, drafter, prompts, ev, stop_ids, target_cfg, drafter_dir)
     metrics = summarize(
         prompts,
@@ -381,6 +463,8 @@ def run(
         lookup_sweep=responses.swept or None,
     )
     metrics |= {"num_prompts": len(prompts), "skipped": dict(skipped), "settings": asdict(ev)}
+    if concurrent:
+        metrics["concurrency"] = concurrency_figures(concurrent, responses.timed)
     metrics |= run_info(target_cfg, drafter_dir, cfg, device, run_dtype)
     metrics |= {
         "attn_implementation": attention_choice(target_cfg),

@@ -5,6 +5,8 @@
     eval/metrics.json   ─► histogram.png (accepted length per verify step), throughput table
                           (a row per method and per DDTree budget)
                         ─► ddtree.png (tau and speedup vs tree budget; when DDTree ran)
+                        ─► concurrency.png and a table (speedup and tok/s vs concurrency per
+                          method; when evaluate.concurrency measured a level above 1)
     prompts/stats.json, features/manifest.json ─► data section of report.md
     eval/metrics.json's drafter and target     ─► SGLang and vLLM launch lines for this drafter
 
@@ -106,6 +108,54 @@ def plot_ddtree(evaluation: dict, dest: Path) -> None:
         ax.minorticks_off()  # log-scale minor labels would overprint the budgets
         ax.legend()
     _save(fig, dest)
+
+
+def plot_concurrency(evaluation: dict, dest: Path) -> None:
+    """Speedup against target-only at the same concurrency, and generated tok/s, per method."""
+    levels = evaluation["concurrency"]["levels"]
+    cs = sorted(levels, key=int)
+    xs = [int(c) for c in cs]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for m in levels[cs[0]]:
+        ax1.plot(xs, [levels[c][m]["speedup"] for c in cs], "o-", label=m)
+        ax2.plot(xs, [levels[c][m]["tokens_per_s"] for c in cs], "o-", label=m)
+    ax1.axhline(1.0, color="grey", linestyle=":")
+    ax1.set(ylabel="speedup vs target-only at the same concurrency", title="speedup under load")
+    ax2.set(ylabel="generated tokens/s (all sequences)", title="throughput under load")
+    for ax in (ax1, ax2):
+        ax.set(xscale="log", xlabel="concurrency (sequences decoded at once)")
+        ax.set_xticks(xs, cs)
+        ax.minorticks_off()
+        ax.legend()
+    _save(fig, dest)
+
+
+def under_load(evaluation: dict, img: str) -> str:
+    """The concurrency table and where DFlash stops paying; '' without levels above 1."""
+    figures = evaluation.get("concurrency")
+    if not figures:
+        return ""
+    levels = figures["levels"]
+    lookup = "prompt_lookup" in levels["1"]
+    head = "| concurrency | target tok/s | DFlash tok/s | DFlash speedup | DFlash tau |"
+    head += " prompt lookup speedup |" if lookup else ""
+    lines = [head, "|---" * (5 + lookup) + "|"]
+    for c in sorted(levels, key=int):
+        t, d = levels[c]["target"], levels[c]["dflash"]
+        row = f"| {c} | {t['tokens_per_s']:.1f} | {d['tokens_per_s']:.1f} | {d['speedup']:.2f}x | {_fmt(d['acceptance_length'])} |"
+        lines.append(row + (f" {levels[c]['prompt_lookup']['speedup']:.2f}x |" if lookup else ""))
+    below = figures["dflash_below_target_at"]
+    verdict = (f"DFlash is slower than target-only from concurrency {below}" if below
+               else f"DFlash pays at every level measured, up to concurrency {figures['largest']}")  # fmt: skip
+    table = "\n".join(lines)
+    return f"""## Under load (evaluate.concurrency)
+The prompts decoded c at a time with continuous refill; tok/s counts every generated token over
+the wall time, prefills included. {verdict}.
+
+{table}
+
+![concurrency]({img}/concurrency.png)
+"""
 
 
 def _fmt(x: float | None, digits: int = 3) -> str:
@@ -314,12 +364,13 @@ def summary(rows: list[dict], evaluation: dict, prompts: dict, manifest: dict, i
 ![histogram]({img}/histogram.png)
 {f"![ddtree]({img}/ddtree.png)" if evaluation.get("ddtree") else ""}
 
+{under_load(evaluation, img)}
 {serving(evaluation)}"""
 
 
 def run(train_metrics: str, eval_metrics: str, prompt_stats: str, manifest: str, plots: str,
         markdown: str, extra_manifests: list[str] = ()) -> None:  # fmt: skip
-    """Write loss.png, acceptance.png, histogram.png (and ddtree.png) into `plots` and the summary to `markdown`
+    """Write loss.png, acceptance.png, histogram.png (and ddtree.png, concurrency.png) into `plots` and the summary to `markdown`
     (the features of `extra_manifests`, train.extra_features, listed beside the run's own)."""
     out, md = Path(plots), Path(markdown)
     rows = read_training(Path(train_metrics))
@@ -329,6 +380,8 @@ def run(train_metrics: str, eval_metrics: str, prompt_stats: str, manifest: str,
     plot_histogram(evaluation, out / "histogram.png")
     if evaluation.get("ddtree"):
         plot_ddtree(evaluation, out / "ddtree.png")
+    if evaluation.get("concurrency"):
+        plot_concurrency(evaluation, out / "concurrency.png")
     img = os.path.relpath(out, md.parent)
     extra = {p: _read_json(Path(p)) for p in extra_manifests}
     text = summary(

@@ -368,6 +368,7 @@ class ConcurrentEngine:
         else:
             self.steps[kind]()
 
+    @torch.no_grad()
     def prepare(self, method: str, lookup: LookupConfig | None = None) -> None:
         """Compile and capture `method`'s step before any timing (decode does it too)."""
         kind, _ = self._kind(method, lookup)
