@@ -98,7 +98,7 @@ def cmd_evaluate(args: argparse.Namespace) -> None:
         target = TargetConfig(model=args.target, gguf_file=args.gguf_file)
     if target is None:
         raise ConfigError("evaluate needs --target or a --config whose target: names one")
-    overrides = {k: getattr(args, k) for k in ("num_prompts", "max_new_tokens")}
+    overrides = {k: getattr(args, k) for k in ("num_prompts", "max_new_tokens", "concurrency")}
     ev = dataclasses.replace(ev, **{k: v for k, v in overrides.items() if v is not None})
     if args.device:
         run(target, args.drafter, args.prompts, args.out, ev, args.device)
@@ -188,6 +188,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gguf-file", help="GGUF file inside --target")
     p.add_argument("--num-prompts", type=int)
     p.add_argument("--max-new-tokens", type=int)
+    p.add_argument("--concurrency", type=int, nargs="+",
+                   help="evaluate.concurrency: load levels, e.g. 1 4 16 64")  # fmt: skip
     p.add_argument("--device", help="cpu, cuda:N; default: a free GPU of devices.extract, else CPU")
 
     p = add("report", cmd_report, "stage 7: plots and a Markdown summary of the run")

@@ -13,6 +13,9 @@
     eager           the eager reference loop (DynamicCache), DFlashProposer; CPU fallback
     runner          Decoders: the methods evaluate compares, on the engine or the eager loop
     summary         metrics.json's figures from the responses (tau, speed, losslessness)
+    concurrent      ConcurrentEngine: evaluate.concurrency's c sequences side by side on the
+                    engine's models (continuous refill; c blocks drafted and c x B tokens
+                    verified per step, each row accepting its own prefix)
     batched         BatchedEngine: regenerate's continuous batching, R rows over a static cache,
                     one captured decode step, finished rows refilled by gathered, packed prefills
     batched_step    its device work and shapes: decode inputs and layers (dense over a span, or
@@ -28,6 +31,7 @@
                         ├─► eager ──► dflashpipe.taps (the same taps as extract)
                         └─► lookup
     evaluate ─► summary
+    evaluate ─► concurrent ──► engine (its models, fused weights, tables), static_models, families
     regenerate ─┬─► batched ──► batched_step, families, static_models, sampling, memory
                 └─► hf_generate (families the static models do not cover)
     engine, ddtree, eager, lookup, runner, summary ──► types
