@@ -402,6 +402,10 @@ def test_concurrency_levels_decode_the_same_answers(tiny_target_dir, target_conf
         assert row["dflash"]["acceptance_length"] == pytest.approx(metrics["acceptance_length"])
         ratio = row["dflash"]["tokens_per_s"] / row["target"]["tokens_per_s"]
         assert row["dflash"]["speedup"] == pytest.approx(ratio)
+        assert row["target"]["step_cost"] == 1.0
+        # rows advance together: a level's steps are at least its longest answer's
+        assert row["target"]["steps"] >= max(r["new_tokens"] for r in metrics["responses"]) - 1
+        assert row["dflash"]["steps"] <= row["target"]["steps"]  # a block gives >= 1 token
     below = [int(c) for c, r in figures["levels"].items() if r["dflash"]["speedup"] < 1.0]
     assert figures["dflash_below_target_at"] == (min(below) if below else None)
     # the report draws and tables them

@@ -274,10 +274,13 @@ def decode_concurrent(
         rows = ConcurrentEngine(engine, c)
         for m in methods:  # compiled and captured before any timing
             rows.prepare(m, lookup)
-        runs[c] = {m: rows.decode(m, ids, n, stop_ids, lookup) for m in methods}
+        runs[c] = {}
+        for m in methods:
+            out, wall = rows.decode(m, ids, n, stop_ids, lookup)
+            runs[c][m] = out, wall, rows.steps_run
         log.info("concurrency %d: %s", c, ", ".join(
             f"{m} {sum(len(d.output_ids) for d in out) / wall:.1f} tok/s"
-            for m, (out, wall) in runs[c].items()))  # fmt: skip
+            for m, (out, wall, _) in runs[c].items()))  # fmt: skip
         del rows
         if model.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -289,24 +292,28 @@ def concurrency_figures(runs: ConcurrencyRuns, one_at_a_time: dict[str, list[Dec
     wall time, prefills included), speedup against target-only at that level, tau, and the
     share of responses equal to the per-prompt pass's in the run dtype (1.0 in float32; bf16
     may flip near-ties where the batch changes the rounding); the lowest level where DFlash is
-    slower than target-only (None: not reached up to the largest)."""
+    slower than target-only (None: not reached up to the largest). step_cost: a step's wall
+    time (prefills spread over the steps) over target-only's at that level."""
     levels: dict[str, dict] = {}
     for c, by_method in sorted(runs.items()):
         rates = {
-            m: sum(len(d.output_ids) for d in out) / wall for m, (out, wall) in by_method.items()
+            m: sum(len(d.output_ids) for d in out) / wall for m, (out, wall, _) in by_method.items()
         }
+        per_step = {m: wall / max(steps, 1) for m, (_, wall, steps) in by_method.items()}
         levels[str(c)] = {
             m: {
                 "tokens_per_s": rates[m],
                 "speedup": rates[m] / rates["target"],
                 "acceptance_length": _mean([t for d in out if (t := d.acceptance_length) is not None]),
                 "wall_s": wall,
+                "steps": steps,
+                "step_cost": per_step[m] / per_step["target"],
                 "same_as_one_at_a_time": _mean([
                     float(d.output_ids == ref.output_ids)
                     for d, ref in zip(out, one_at_a_time.get(m, []), strict=False)
                 ]),
             }
-            for m, (out, wall) in by_method.items()
+            for m, (out, wall, steps) in by_method.items()
         }  # fmt: skip
     below = [int(c) for c, row in levels.items() if row["dflash"]["speedup"] < 1.0]
     return {"levels": levels, "dflash_below_target_at": min(below) if below else None,

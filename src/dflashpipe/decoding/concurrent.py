@@ -239,6 +239,7 @@ class ConcurrentEngine:
         self.steps: dict[str, Callable[[], None]] = {}
         self._graphs: dict[str, torch.cuda.CUDAGraph] = {}
         self._pool = None
+        self.steps_run = 0  # the last decode's steps (one forward of every row each)
 
     # -- device work -------------------------------------------------------------------------
 
@@ -418,7 +419,9 @@ class ConcurrentEngine:
 
         for r in range(self.rows):
             admit(r)
+        self.steps_run = 0
         while busy:
+            self.steps_run += 1
             if kind.startswith("lookup@"):
                 self._plan_lookups(kind, busy)
             self._run(kind)
