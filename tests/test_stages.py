@@ -25,6 +25,7 @@ OTHER = {
     "target.revision": "main",
     "target.attn_implementation": "eager",
     "target.chat_template": "none",
+    "evaluate.concurrency": [1, 4],
     "retrieve": {},
     "prompts.sources": [{"name": "x", "kind": "jsonl", "path": "x.jsonl"}],
     "prompts.exclude": ["other/train.parquet"],
