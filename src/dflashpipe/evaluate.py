@@ -74,6 +74,13 @@ def slack(ev: EvaluateConfig, block_size: int) -> int:
     return ev.slack(block_size, max(c.num_drafts for c in GRID))
 
 
+def engine_length(
+    prompts: list[tuple[dict, list[int]]], ev: EvaluateConfig, block_size: int
+) -> int:
+    """An engine's max_len for these prompts: the longest, its new tokens and a step's slack."""
+    return max(len(ids) for _, ids in prompts) + ev.max_new_tokens + slack(ev, block_size)
+
+
 def read_drafter_config(drafter_dir: str | Path) -> DrafterConfig:
     path = Path(drafter_dir) / CONFIG_NAME
     if not path.is_file():
@@ -191,7 +198,7 @@ def decode_and_check(
     target-only outputs (Responses). `lossless`: how many of the first prompts the float32 pass
     decodes (None: ev.lossless_count of them)."""
     n = ev.max_new_tokens
-    max_len = max(len(ids) for _, ids in prompts) + n + slack(ev, drafter.config.block_size)
+    max_len = engine_length(prompts, ev, drafter.config.block_size)
 
     def decoders(methods: list[str], compile: bool | None = None) -> Decoders:
         return Decoders(
@@ -238,9 +245,8 @@ def decode_and_check(
         fp32.close()
 
 
-ConcurrencyRuns = dict[
-    int, dict[str, tuple[list[Decoded], float]]
-]  # c -> method -> (responses, wall s)
+# c -> method -> (responses, wall s, steps)
+ConcurrencyRuns = dict[int, dict[str, tuple[list[Decoded], float, int]]]
 
 
 def decode_concurrent(
@@ -261,7 +267,7 @@ def decode_concurrent(
             f"evaluate.concurrency {ev.concurrency} needs the static engine: {e}"
         ) from e
     n = ev.max_new_tokens
-    max_len = max(len(ids) for _, ids in prompts) + n + slack(ev, drafter.config.block_size)
+    max_len = engine_length(prompts, ev, drafter.config.block_size)
     engine = Engine(model, max_len, drafter)
     try:
         check_rows(engine, levels[-1])

@@ -169,13 +169,10 @@ def accept_rows(
 
 
 def rows_bytes(engine: Engine, rows: int) -> int:
-    """What `rows` row slots take: the target's and the drafter's K/V buffers of every row."""
-    t, d = engine.target, engine.drafter
-    size = t.kv.element_size()
-    out = rows * t.kv[0, 0].numel() * t.kv.shape[0] * size
-    if d is not None:
-        out += rows * d.kv[0, 0].numel() * d.kv.shape[0] * d.kv.element_size()
-    return out
+    """What `rows` row slots take: the target's and the drafter's K/V buffers (the engine's hold
+    one row each) once per row."""
+    d = engine.drafter
+    return rows * (engine.target.kv.nbytes + (d.kv.nbytes if d is not None else 0))
 
 
 def check_rows(engine: Engine, rows: int, key: str = "evaluate.concurrency") -> None:
