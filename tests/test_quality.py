@@ -255,6 +255,24 @@ def test_every_overlay_is_a_valid_config_on_the_recipe():
                     assert cfg.raw[section][key] == value, (path.name, section, key)
 
 
+def test_the_concurrency_cell_is_the_recipe_at_four_loads():
+    """benchmarks/remote/concurrency.yaml on the recipe (what concurrency.sh merges): a valid
+    config that decodes the server's methods at 1, 4, 16 and 64 rows, the recipe's prompts and
+    lengths unchanged."""
+    from dflashpipe.config import Config
+
+    quality = _load_quality()
+    cell = REPO / "benchmarks" / "remote" / "concurrency.yaml"
+    cfg = Config.from_dict(quality.merged_configs([str(quality.RECIPE), str(cell)]))
+    recipe = Config.from_dict(quality.merged_configs([str(quality.RECIPE)]))
+    assert cfg.evaluate.concurrency == [1, 4, 16, 64]
+    assert cfg.evaluate.methods == ["target", "dflash", "prompt_lookup"]
+    assert cfg.evaluate.lossless_check is False
+    for key in ("num_prompts", "max_new_tokens", "prompt_lookup_num_tokens"):
+        assert getattr(cfg.evaluate, key) == getattr(recipe.evaluate, key), key
+    assert "concurrency.yaml" in (REPO / "benchmarks" / "remote" / "concurrency.sh").read_text()
+
+
 def test_a_lever_cell_stacks_a_tau_only_evaluate_under_its_change():
     """`# also: tau-only`: the recipe under the lever's own change, and an evaluate without the
     float32 pass; the stack is merged in order, each file once."""

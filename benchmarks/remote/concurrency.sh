@@ -1,0 +1,20 @@
+#!/bin/bash
+# setsid bash benchmarks/remote/concurrency.sh: issue 47's GPU cell in the background, alone on
+# the card (its speeds are the figures). A drafter kept from an earlier machine
+# (drafter-*.tar.zst, a tar of drafter/{config.json,model.safetensors}) and the eval prompts
+# (eval.parquet) travel in a .remote/k* folder and land in /tmp/xfer; the recipe's evaluate with
+# benchmarks/remote/concurrency.yaml on top decodes them one at a time and c at a time per level.
+# /tmp/conc gets concurrency.json, evaluate.log and DONE (holding the exit status); copy them
+# into $OUT on a later call.
+cd "$(dirname "$0")/../.." && . benchmarks/remote/setup.sh >/dev/null
+C=/tmp/conc; mkdir -p $C
+python3 -c "import sys, zstandard; zstandard.ZstdDecompressor().copy_stream(open(sys.argv[1], 'rb'), sys.stdout.buffer)" /tmp/xfer/drafter-*.tar.zst | tar x -C $C
+python3 - <<'PY' > $C/config.yaml
+import sys, yaml
+sys.path.insert(0, "benchmarks")
+from quality import merged_configs
+print(yaml.safe_dump(merged_configs(["configs/smollm2-sharegpt.yaml", "benchmarks/remote/concurrency.yaml"])))
+PY
+python3 -m dflashpipe evaluate --config $C/config.yaml --drafter $C/drafter \
+  --prompts /tmp/xfer/eval.parquet --out $C/concurrency.json --device cuda:0 > $C/evaluate.log 2>&1
+echo $? > $C/DONE
