@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 import tarfile
+from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
@@ -266,11 +267,61 @@ def test_the_concurrency_cell_is_the_recipe_at_four_loads():
     cfg = Config.from_dict(quality.merged_configs([str(quality.RECIPE), str(cell)]))
     recipe = Config.from_dict(quality.merged_configs([str(quality.RECIPE)]))
     assert cfg.evaluate.concurrency == [1, 4, 16, 64]
-    assert cfg.evaluate.methods == ["target", "dflash", "prompt_lookup"]
+    assert cfg.evaluate.methods == recipe.evaluate.methods
+    assert "prompt_lookup" in cfg.evaluate.methods  # the load levels decode it too
     assert cfg.evaluate.lossless_check is False
-    for key in ("num_prompts", "max_new_tokens", "prompt_lookup_num_tokens"):
+    for key in ("num_prompts", "max_new_tokens", "prompt_lookup_num_tokens", "tree_nodes"):
         assert getattr(cfg.evaluate, key) == getattr(recipe.evaluate, key), key
     assert "concurrency.yaml" in (REPO / "benchmarks" / "remote" / "concurrency.sh").read_text()
+
+
+def test_the_4x_cell_with_the_concurrency_cell_on_top_evaluates_every_method_at_load(tmp_path):
+    """bg.sh's QUALITY_EXTRA="fp4.yaml concurrency.yaml" on x4 (docs/quality.md, next GPU
+    session item 1): x4's data in fp4-zstd, and its evaluate the concurrency cell, with prompt
+    lookup and DDTree back over tau-only's methods."""
+    from dflashpipe.config import Config
+
+    quality = _load_quality()
+    extra = [REPO / "benchmarks" / "quality" / "fp4.yaml", REPO / "benchmarks" / "remote" /
+             "concurrency.yaml"]  # fmt: skip
+    runs = tmp_path / "runs"
+    for name in ("prompts", "sequences", "features"):  # x4 reuses main's
+        (runs / "quality-main" / "results" / name).mkdir(parents=True)
+    _, configs = quality.prepare(runs, "x4", [str(p) for p in extra])
+    assert [Path(c).stem for c in configs] == ["smollm2-sharegpt", "tau-only", "x4", "fp4",
+                                               "concurrency"]  # fmt: skip
+    cfg = Config.from_dict(quality.merged_configs(configs))
+    assert cfg.extract.codec == "fp4-zstd" and cfg.train.epochs == 3
+    assert len(cfg.train.extra_features) == 2
+    assert cfg.evaluate.concurrency == [1, 4, 16, 64] and not cfg.evaluate.lossless_check
+    assert set(cfg.evaluate.methods) == {"target", "dflash", "prompt_lookup", "ddtree"}
+    assert cfg.evaluate.tree_nodes == [16, 32]
+
+
+def test_pack_sh_puts_kept_answers_in_the_fewest_carries(tmp_path):
+    """`pack.sh answers DIR`: the 4x point's 9 parts (115 MB) in two folders, each of which
+    fits one carry beside the working tree (64 MiB), every part once."""
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    sizes = {"main": [15_000_000] * 2 + [4_995_468], "sampled-answers": [15_000_000] * 2 +
+             [6_612_312], "x4-sampled-b": [15_000_000] * 2 + [13_512_496]}  # fmt: skip
+    for run, parts in sizes.items():
+        for i, size in enumerate(parts):
+            with open(kept / f"answers-{run}-0123456789abcdef.part-{i:02d}", "wb") as f:
+                f.truncate(size)  # sparse: the sizes are what is packed
+    out = tmp_path / "remote"
+    env = {**os.environ, "PACK_OUT": str(out)}
+    subprocess.run(["bash", "benchmarks/remote/pack.sh", "answers", str(kept)], cwd=REPO,
+                   env=env, check=True, capture_output=True)  # fmt: skip
+    folders = sorted(out.glob("k*"))
+    assert [f.name for f in folders] == ["k1", "k2"]
+    tree = subprocess.run("git ls-files -z -co --exclude-standard | du -cb --files0-from=- | "
+                          "tail -1 | cut -f1", shell=True, cwd=REPO, capture_output=True,
+                          text=True, check=True).stdout  # fmt: skip
+    for folder in folders:
+        assert sum(f.stat().st_size for f in folder.iterdir()) + int(tree) <= 64 * 2**20
+    packed = sorted(f.name for folder in folders for f in folder.iterdir())
+    assert packed == sorted(f.name for f in kept.iterdir())
 
 
 def test_a_lever_cell_stacks_a_tau_only_evaluate_under_its_change():

@@ -3,7 +3,7 @@
 # outlive the call that starts them), main first; a variant starts once the deepest stage of main
 # (or of the run its overlay's `# from:` line names) that its `# reuse:` line shares has finished
 # (none: at once), and the files of other runs its `# wait:` line names (relative to its work
-# directory) exist. /tmp/q/ALLDONE marks the end. QUALITY_EXTRA=FILE adds one more config file on top of every run's (e.g. other sizes);
+# directory) exist. /tmp/q/ALLDONE marks the end. QUALITY_EXTRA="FILE..." adds config files on top of every run's (e.g. other sizes), in order;
 # MAIN_TARGET=extract stops main at its features (when only a variant's drafter is wanted);
 # MAIN_TARGET=none runs no main (variants on another recipe: MAIN_TARGET=none bg.sh gemma3).
 # Answers kept from an earlier machine (mon.sh KEEP=..., carried as .remote/k*/ and gathered by
@@ -19,7 +19,7 @@
 # at once (H200, 2026-12-04: 221 s of compiling for the first cell, 5-6 s for those after it).
 cd "$(dirname "$0")/../.." && . benchmarks/remote/setup.sh >/dev/null
 mkdir -p /tmp/q
-EXTRA="${QUALITY_EXTRA:+--configfile $QUALITY_EXTRA} --restore /tmp/xfer"
+EXTRA="--restore /tmp/xfer"; for f in ${QUALITY_EXTRA:-}; do EXTRA="$EXTRA --configfile $f"; done
 if [ "${MAIN_TARGET:-all}" != none ]; then
   python3 benchmarks/quality.py main --runs /tmp/runs --target ${MAIN_TARGET:-all} $EXTRA > /tmp/q/main.out 2>&1 &
 fi

@@ -1,14 +1,15 @@
 #!/bin/bash
 # setsid bash benchmarks/remote/concurrency.sh: issue 47's GPU cell in the background, alone on
-# the card (its speeds are the figures). A drafter kept from an earlier machine
-# (drafter-*.tar.zst, a tar of drafter/{config.json,model.safetensors}) and the eval prompts
-# (eval.parquet) travel in a .remote/k* folder and land in /tmp/xfer; the recipe's evaluate with
+# the card (its speeds are the figures). A drafter kept from an earlier machine (drafter-*.tar.zst,
+# a zstd tar of drafter/, or mon.sh DRAFTER=...'s parts of it) and the eval prompts (eval.parquet)
+# travel in a .remote/k* folder and land in /tmp/xfer; the recipe's evaluate with
 # benchmarks/remote/concurrency.yaml on top decodes them one at a time and c at a time per level.
 # /tmp/conc gets concurrency.json, evaluate.log and DONE (holding the exit status); copy them
 # into $OUT on a later call.
 cd "$(dirname "$0")/../.." && . benchmarks/remote/setup.sh >/dev/null
 C=/tmp/conc; mkdir -p $C
-python3 -c "import sys, zstandard; zstandard.ZstdDecompressor().copy_stream(open(sys.argv[1], 'rb'), sys.stdout.buffer)" /tmp/xfer/drafter-*.tar.zst | tar x -C $C
+D=$(ls /tmp/xfer/drafter-*.tar.zst.[0-9]* 2>/dev/null || ls /tmp/xfer/drafter-*.tar.zst)  # parts or joined
+cat $D | python3 -c "import sys, zstandard; zstandard.ZstdDecompressor().copy_stream(sys.stdin.buffer, sys.stdout.buffer)" | tar x -C $C
 python3 - <<'PY' > $C/config.yaml
 import sys, yaml
 sys.path.insert(0, "benchmarks")

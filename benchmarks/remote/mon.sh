@@ -5,7 +5,9 @@
 # <= 15 MB in /tmp/q/keep, quality.py --keep; the first 4 beside the (up to four) other files it
 # returns, the rest named for a later call to copy). CC=1 also returns the torch.compile bundles
 # the runs saved (/tmp/cc, as one zstd tar cc.tar.zst: `pack.sh compile DIR` carries them to the
-# next machine).
+# next machine). DRAFTER=VARIANT also returns that run's exported drafter as a zstd tar of
+# drafter/ in parts of 15 MB (drafter-VARIANT.tar.zst.00, .01, ...: `cat` them; concurrency.sh
+# takes the joined tar).
 cd "$(dirname "$0")/../.." && . benchmarks/remote/setup.sh >/dev/null
 end=$((SECONDS + $1))
 if ! ls -d /tmp/runs/quality-* >/dev/null 2>&1; then  # a fresh machine: the warm one was handed back
@@ -34,6 +36,10 @@ if [ -n "${CC:-}" ] && ls /tmp/cc/*.torchcompile >/dev/null 2>&1; then  # CC=1: 
   # file's 16 MiB and a carry's 64 MiB together
   (cd /tmp/cc && tar cf - *.torchcompile) | python3 -c "import sys, zstandard; zstandard.ZstdCompressor(level=9, threads=-1).copy_stream(sys.stdin.buffer, open(sys.argv[1], 'wb'))" $OUT/cc.tar.zst
   ls /tmp/cc/*.torchcompile | xargs -n1 basename; du -sh $OUT/cc.tar.zst
+fi
+if [ -n "${DRAFTER:-}" ] && [ -d /tmp/runs/quality-$DRAFTER/results/drafter ]; then
+  tar cf - -C /tmp/runs/quality-$DRAFTER/results drafter | python3 -c "import sys, zstandard; zstandard.ZstdCompressor(level=9, threads=-1).copy_stream(sys.stdin.buffer, sys.stdout.buffer)" | split -b 15000000 -d - $OUT/drafter-$DRAFTER.tar.zst.
+  ls -la $OUT/drafter-$DRAFTER.tar.zst.*
 fi
 if [ -n "${KEEP:-}" ]; then   # a call returns 8 files: 4 parts here, the rest on later calls
   python3 benchmarks/quality.py $KEEP --runs /tmp/runs --table --keep /tmp/q/keep >/dev/null

@@ -10,8 +10,8 @@
 # /tmp/res once both are there), then `setsid bash benchmarks/remote/bg.sh bf16 ...` starts the
 # runs in the background and `bash benchmarks/remote/mon.sh SECONDS` follows them.
 # `pack.sh answers DIR...`: instead, the kept answers calls brought back (answers-*.part-*, from
-# mon.sh with KEEP=..., each call's files_at a DIR) into .remote/k1, k2, ... of at most 60 MB
-# each, one carry per folder;
+# mon.sh with KEEP=..., each call's files_at a DIR) into .remote/k1, k2, ..., each as full as one
+# carry beside the working tree allows (largest parts first), one carry per folder;
 # setup.sh gathers them and bg.sh restores them, so those runs start at extract.
 # `pack.sh gemma`: Gemma 3 270M's GGUF (configs/gemma3-270m-quality.yaml, 253 MB, retrieved
 # here) in five parts .remote/g1..g5 of about 51 MB, one carry each, beside a/b/c's wheels and
@@ -21,7 +21,7 @@
 # setup.sh unpacks them where DFLASHPIPE_COMPILE_CACHE points.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-R=.remote
+R=${PACK_OUT:-.remote}   # PACK_OUT: another folder for the parts (the tests)
 if [ "${1:-}" = gemma ]; then
   G=resources/gemma3/gemma-3-270m-q4_k_m.gguf
   rm -rf $R/g*; size=$(stat -c %s $G); part=$(( (size + 4) / 5 ))
@@ -37,13 +37,23 @@ if [ "${1:-}" = compile ]; then
   for d in "$@"; do n=$((n + 1)); cp "$d"/cc.tar.zst $R/cc/cc-$n.tar.zst; done
   du -sh $R/cc; exit 0
 fi
-if [ "${1:-}" = answers ]; then
-  shift; rm -rf $R/k*; n=1; used=0
-  for part in $(for d in "$@"; do ls "$d"/answers-*.part-*; done | awk -F/ '{print $NF" "$0}' | sort | cut -d' ' -f2); do
-    size=$(stat -c %s "$part")
-    if [ $((used + size)) -gt 60000000 ]; then n=$((n + 1)); used=0; fi
-    mkdir -p $R/k$n && cp "$part" $R/k$n/ && used=$((used + size))
-  done
+if [ "${1:-}" = answers ]; then   # first fit, largest parts first: the fewest carries
+  shift; rm -rf $R/k*
+  tree=$(git ls-files -z -co --exclude-standard | du -cb --files0-from=- | tail -1 | cut -f1)
+  python3 - $R $((67108864 - tree - 1000000)) "$@" <<'PY'
+import shutil, sys
+from pathlib import Path
+out, room, dirs = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3:]
+parts = [p for d in dirs for p in Path(d).glob("answers-*.part-*")]
+used: list[int] = []
+for part in sorted(parts, key=lambda p: (-p.stat().st_size, p.name)):
+    size = part.stat().st_size
+    n = next((i for i, u in enumerate(used) if u + size <= room), len(used))
+    used += [0] * (n + 1 - len(used))
+    used[n] += size
+    (out / f"k{n + 1}").mkdir(parents=True, exist_ok=True)
+    shutil.copy(part, out / f"k{n + 1}" / part.name)
+PY
   du -sh $R/k*; exit 0
 fi
 rm -rf $R && mkdir -p $R/a/whl $R/b
