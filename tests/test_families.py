@@ -245,6 +245,8 @@ def test_concurrent_rows_equal_one_at_a_time(target, prompts, reference, drafter
             assert [d.accepted_lengths for d in got] == [d.accepted_lengths for d in one[method]]
             assert [d.drafted for d in got] == [d.drafted for d in one[method]]
             steps[method] = {len(d.accepted_lengths) for d in got}
+        if rows >= len(prompts):  # every prompt prefilled in one pack
+            assert concurrent.prefills == 1, method
     assert len(steps["dflash"]) > 1  # rows finished at different steps
 
 

@@ -53,21 +53,19 @@ from dflashpipe.decoding.batched_step import (
     decode_layer,
     decode_layer_flex,
     default_pack,
+    pack_forward,
     pack_lengths,
-    prefill_layer,
     span_lengths,
 )
 from dflashpipe.decoding.families import (
     attention_extras,
     check_target,
     final_softcap,
-    fold_mask,
     fuse_layer,
     graph_safe_experts,
     head_shape,
     layer_windows,
     rope_tables,
-    windowed,
 )
 from dflashpipe.decoding.memory import check_fit
 from dflashpipe.decoding.sampling import Sampling
@@ -414,14 +412,7 @@ class BatchedEngine:
         """A pack (4, T) of ids, cache rows, positions and prompt numbers into the cache: every
         layer's K/V, no logits (a row's last prompt token is its first step's input). Eager
         (one graph per pack length on CUDA)."""
-        ids, rows, pos, seg = pack
-        x = self.base.embed_tokens(ids[None])  # (1, T, H)
-        block = (seg[:, None] == seg[None]) & (pos[:, None] >= pos[None])  # (T, T): own prompt
-        masks = [fold_mask(windowed(block, pos, pos, w), self.groups) for w in self.windows]
-        for i, layer in enumerate(self.base.layers):
-            cos, sin = self.tables[self.rope_of[i]]
-            x = prefill_layer(layer, x, self.k[i], self.v[i], cos[pos], sin[pos], (rows, pos),
-                              masks[self.mask_of[i]], self.fused[i])  # fmt: skip
+        pack_forward(self, self.k, self.v, pack)
 
     def _run(self, key: tuple, fn: Callable, *inputs: Tensor) -> None:
         """fn(*inputs), or with graphs the replay of fn's graph for key (inputs copied into its

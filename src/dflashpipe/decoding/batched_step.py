@@ -7,12 +7,14 @@ and the sizes they come in: prefill packs (`default_pack`, `pack_lengths`) and c
 from __future__ import annotations
 
 import inspect
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 from dflashpipe.decoding.families import (
+    fold_mask,
     head_shape,
     layer_attention,
     layer_out,
@@ -141,6 +143,28 @@ def prefill_layer(
     v_cache[rows, :, slots] = v[0].transpose(0, 1)
     y = layer_attention(layer, q, k, v, mask)  # (1, Hq, T, D)
     return layer_out(layer, x, y.transpose(1, 2).flatten(2), fused)
+
+
+def pack_forward(
+    m, ks: Sequence[Tensor], vs: Sequence[Tensor], pack: Tensor, taps: Sequence[int] = ()
+) -> tuple[Tensor, list[Tensor]]:
+    """A pack (4, T) of ids, cache rows, positions and prompt numbers through every layer of
+    the engine's target `m` (its base, fused weights, RoPE tables and masks' windows: a
+    BatchedEngine or a StaticTarget): each token's K/V written at (row, position) of the
+    per-layer buffers ks / vs, attention within its own prompt only. The last layer's rows
+    (1, T, H) and the rows of the layers in `taps`, in that order."""
+    ids, rows, pos, seg = pack
+    x = m.base.embed_tokens(ids[None])  # (1, T, H)
+    block = (seg[:, None] == seg[None]) & (pos[:, None] >= pos[None])  # (T, T): own prompt
+    masks = [fold_mask(windowed(block, pos, pos, w), m.groups) for w in m.windows]
+    tapped = {}
+    for i, layer in enumerate(m.base.layers):
+        cos, sin = m.tables[m.rope_of[i]]
+        x = prefill_layer(layer, x, ks[i], vs[i], cos[pos], sin[pos], (rows, pos),
+                          masks[m.mask_of[i]], m.fused[i])  # fmt: skip
+        if i in taps:
+            tapped[i] = x
+    return x, [tapped[i] for i in taps]
 
 
 def advance(

@@ -5,7 +5,11 @@ serving engine batches its requests (evaluate.concurrency).
                   context rows; a row holds one prompt at a time and takes the next from the
                   queue when its answer ends (continuous batching), so rows never wait for
                   each other's acceptance
-    prefill       a new prompt's forward on its own row (eager: its length varies)
+    refill        the queue's next prompts into the rows a step freed, as many to one forward
+                  as fit a pack (batched_step.pack_forward, as regenerate's engine prefills:
+                  each prompt attends to itself only, one CUDA graph per pack length, padding
+                  written to a scratch row): every layer's K/V at the rows' slots 0..P-1, the
+                  drafter's context where DFlash decodes, and each prompt's first token
     greedy step   target([anchor_r] at slot T_r) for every row in one forward -> g_r
     dflash step   drafter: c blocks [anchor_r, MASK x B-1] in one forward -> drafts (c, B-1);
                   verify: target(c x B tokens) in one forward -> greedy (c, B); each row accepts
@@ -31,9 +35,11 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
+from dflashpipe.decoding.batched_step import default_pack, pack_forward, pack_lengths
 from dflashpipe.decoding.engine import Engine
 from dflashpipe.decoding.families import (
     attend_cache,
@@ -170,9 +176,9 @@ def accept_rows(
 
 def rows_bytes(engine: Engine, rows: int) -> int:
     """What `rows` row slots take: the target's and the drafter's K/V buffers (the engine's hold
-    one row each) once per row."""
+    one row each) once per row and once more for the refills' scratch row."""
     d = engine.drafter
-    return rows * (engine.target.kv.nbytes + (d.kv.nbytes if d is not None else 0))
+    return (rows + 1) * (engine.target.kv.nbytes + (d.kv.nbytes if d is not None else 0))
 
 
 def check_rows(engine: Engine, rows: int, key: str = "evaluate.concurrency") -> None:
@@ -211,15 +217,20 @@ class ConcurrentEngine:
         t, d = engine.target, engine.drafter
         self.device, on = engine.device, engine.compiled
         weight = t.base.embed_tokens.weight
-        self.kv, self.k, self.v = kv_buffer(
-            len(t.base.layers), (rows, t.num_kv_heads, t.capacity, t.head_dim), weight
+        # one row more than the steps read (row `rows`): a refill pack's padding writes there
+        self.kv, self.k_all, self.v_all = kv_buffer(
+            len(t.base.layers), (rows + 1, t.num_kv_heads, t.capacity, t.head_dim), weight
         )
+        self.k, self.v = [k[:rows] for k in self.k_all], [v[:rows] for v in self.v_all]
         if d is not None:
             cfg = d.drafter.config
-            self.dkv, self.dk, self.dv = kv_buffer(
-                len(d.drafter.layers), (rows, cfg.num_key_value_heads, d.capacity, cfg.head_dim),
-                d.drafter.fc.weight,
+            self.dkv, dk, dv = kv_buffer(
+                len(d.drafter.layers),
+                (rows + 1, cfg.num_key_value_heads, d.capacity, cfg.head_dim), d.drafter.fc.weight,
             )  # fmt: skip
+            self.dk, self.dv = [k[:rows] for k in dk], [v[:rows] for v in dv]
+        longest = 1 << (t.capacity - 1).bit_length()  # every prompt fits a pack
+        self.packs = pack_lengths(max(longest, default_pack(t.model)))
         self.inputs, self.layer = compiled(rows_inputs, on), compiled(rows_layer, on)
         self.outputs = compiled(target_outputs, on)
         self.draft_inputs = compiled(rows_drafter_inputs, on)
@@ -230,38 +241,46 @@ class ConcurrentEngine:
         self.length = torch.zeros(rows, **long)
         self.anchor = torch.zeros(rows, **long)
         self.idle = torch.zeros(rows, dtype=torch.bool, device=self.device)
+        self.last = torch.zeros(rows, **long)  # a pack's: each prompt's last position in it
+        self.first = torch.zeros(rows, **long)  # a pack's: each prompt's first new token
         self.packed: dict[str, Tensor] = {}
         self.drafts: dict[str, Tensor] = {}  # lookup@K: (rows, K+1) [count, d_1..d_K]
         self.plans: dict[str, Tensor] = {}  # their host copies (the drafted counts)
         self.steps: dict[str, Callable[[], None]] = {}
         self._graphs: dict[str, torch.cuda.CUDAGraph] = {}
+        self._packs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, Tensor]] = {}
         self._pool = None
         self.steps_run = 0  # the last decode's steps (one forward of every row each)
+        self.prefills = 0  # the last decode's refill packs
 
     # -- device work -------------------------------------------------------------------------
 
-    def _forward(
-        self, ids: Tensor, slots: Tensor, ks: Sequence[Tensor], vs: Sequence[Tensor], taps: bool,
-        eager: bool = False,
-    ) -> tuple[Tensor, Tensor | None]:  # fmt: skip
+    def _forward(self, ids: Tensor, slots: Tensor, taps: bool) -> tuple[Tensor, Tensor | None]:
         t = self.engine.target
-        inputs, layer, outputs = (
-            (rows_inputs, rows_layer, target_outputs)
-            if eager
-            else (self.inputs, self.layer, self.outputs)
-        )
-        x, ropes, index, masks = inputs(t.base.embed_tokens, t.tables, t.cols, ids, slots,
-                                        t.windows, t.groups)  # fmt: skip
+        x, ropes, index, masks = self.inputs(t.base.embed_tokens, t.tables, t.cols, ids, slots,
+                                             t.windows, t.groups)  # fmt: skip
         tapped = {}
         for i, lay in enumerate(t.base.layers):
             cos, sin = ropes[t.rope_of[i]]
-            x = layer(lay, x, ks[i], vs[i], cos, sin, index, masks[t.mask_of[i]], t.fused[i])
+            x = self.layer(lay, x, self.k[i], self.v[i], cos, sin, index, masks[t.mask_of[i]],
+                           t.fused[i])  # fmt: skip
             if i in t.layer_ids:
                 tapped[i] = x
-        if eager:  # a prefill: only its last row's logits are read
-            x = x[:, -1:]
         taps_in_order = [tapped[i] for i in t.layer_ids] if taps else []
-        return outputs(t.base.norm, t.model.lm_head, x, taps_in_order, t.softcap)
+        return self.outputs(t.base.norm, t.model.lm_head, x, taps_in_order, t.softcap)
+
+    def _pack_step(self, pack: Tensor, taps: bool) -> None:
+        """A refill pack (4, T) (batched_step.pack_forward) into the rows' buffers; each
+        prompt's first token (greedy at its last position, `last`) into `first`; with `taps`,
+        the drafter's context of every prompt token."""
+        t, d = self.engine.target, self.engine.drafter
+        x, tapped = pack_forward(t, self.k_all, self.v_all, pack, t.layer_ids if taps else ())
+        logits, _ = target_outputs(t.base.norm, t.model.lm_head, x[0, self.last], [], t.softcap)
+        self.first.copy_(logits.argmax(-1))
+        if taps:
+            _, rows, pos, _ = pack
+            rows_context(d.drafter, torch.cat(tapped, -1), self.dkv, d.context_weight, d.cos,
+                         d.sin, (rows[None], pos[None]))  # fmt: skip
 
     def _propose(self) -> Tensor:
         d = self.engine.drafter
@@ -278,7 +297,7 @@ class ConcurrentEngine:
 
     def _greedy_step(self) -> None:
         slots = self.length[:, None]  # (N, 1)
-        logits, _ = self._forward(self.anchor[:, None], slots, self.k, self.v, False)
+        logits, _ = self._forward(self.anchor[:, None], slots, False)
         empty = self.anchor.new_zeros(self.rows, 0)
         accept_rows(logits, empty, None, self.anchor, self.packed["greedy"], self.length)
         self._rest()
@@ -288,7 +307,7 @@ class ConcurrentEngine:
         drafts = self._propose()  # (N, B-1)
         slots = self.length[:, None] + d.offsets  # (N, B)
         ids = torch.cat([self.anchor[:, None], drafts], 1)
-        logits, states = self._forward(ids, slots, self.k, self.v, True)
+        logits, states = self._forward(ids, slots, True)
         rows = torch.arange(self.rows, device=self.device)[:, None]
         self.context(d.drafter, states, self.dkv, d.context_weight, d.cos, d.sin, (rows, slots))
         accept_rows(logits, drafts, None, self.anchor, self.packed["dflash"], self.length)
@@ -299,7 +318,7 @@ class ConcurrentEngine:
         count, drafts = plan[:, 0], plan[:, 1:]  # (N,), (N, K)
         slots = self.length[:, None] + torch.arange(drafts.shape[1] + 1, device=self.device)
         ids = torch.cat([self.anchor[:, None], drafts], 1)
-        logits, _ = self._forward(ids, slots, self.k, self.v, False)
+        logits, _ = self._forward(ids, slots, False)
         accept_rows(logits, drafts, count, self.anchor, self.packed[kind], self.length)
         self._rest()
 
@@ -307,21 +326,48 @@ class ConcurrentEngine:
         """Idle rows back to length 0 (their writes stay in their first slots)."""
         self.length.masked_fill_(self.idle, 0)
 
-    def _prefill(self, r: int, prompt: list[int], taps: bool) -> int:
-        """Prompt into row r's buffers (slots 0..P-1); returns the first new token."""
-        ids = torch.tensor([prompt], dtype=torch.long, device=self.device)  # (1, P)
-        slots = torch.arange(len(prompt), device=self.device)[None]
-        ks, vs = [k[r : r + 1] for k in self.k], [v[r : r + 1] for v in self.v]
-        logits, states = self._forward(ids, slots, ks, vs, taps, eager=True)
-        if taps:
-            d = self.engine.drafter
-            index = (torch.zeros(1, 1, dtype=torch.long, device=self.device), slots)
-            rows_context(d.drafter, states, self.dkv[:, r : r + 1], d.context_weight, d.cos,
-                         d.sin, index)  # fmt: skip
-        first = logits[0, -1].argmax()
-        self.anchor[r] = first
-        self.length[r] = len(prompt)
-        return int(first)
+    def _prefill(self, jobs: list[tuple[int, int, list[int]]], taps: bool) -> list[int]:
+        """Each job's prompt (row, prompt index, tokens) into its row at slots 0..P-1, all in
+        one pack of the shortest length that holds them; the row's anchor (its first new token)
+        and length set. Returns the first tokens (the pack's one read-back)."""
+        used = sum(len(p) for _, _, p in jobs)
+        T = next(n for n in self.packs if n >= used)
+        pack, last, at = self._blank(T), np.zeros(self.rows, dtype=np.int64), 0
+        for k, (r, _, ids) in enumerate(jobs):
+            m = len(ids)
+            pack[:, at : at + m] = [ids, [r] * m, range(m), [k] * m]
+            last[k], at = at + m - 1, at + m
+        pack_t = torch.from_numpy(pack).to(self.device)
+        self.last.copy_(torch.from_numpy(last))
+        if self.engine.graphs:
+            graph, static = self._pack_graph(T, taps)
+            static.copy_(pack_t)
+            graph.replay()
+        else:
+            self._pack_step(pack_t, taps)
+        n, long = len(jobs), {"dtype": torch.long, "device": self.device}
+        rows = torch.tensor([r for r, _, _ in jobs], **long)
+        self.anchor.index_copy_(0, rows, self.first[:n])
+        self.length.index_copy_(0, rows, torch.tensor([len(p) for _, _, p in jobs], **long))
+        self.prefills += 1
+        return self.first[:n].tolist()
+
+    def _blank(self, T: int) -> np.ndarray:
+        """A pack (4, T) of padding only: ids 0, the scratch row, position 0, prompt -1."""
+        pack = np.zeros((4, T), dtype=np.int64)
+        pack[1], pack[3] = self.rows, -1
+        return pack
+
+    def _pack_graph(self, T: int, taps: bool) -> tuple[torch.cuda.CUDAGraph, Tensor]:
+        """The refill pack of length T as a CUDA graph and its static input, captured on a
+        blank pack (which writes the scratch row only) where none is yet."""
+        if (T, taps) not in self._packs:
+            self._pool = self._pool or torch.cuda.graph_pool_handle()
+            static = torch.from_numpy(self._blank(T)).to(self.device)
+            self.last.zero_()
+            graph = capture(lambda: self._pack_step(static, taps), self.device, self._pool)
+            self._packs[T, taps] = graph, static
+        return self._packs[T, taps]
 
     # -- steps and graphs --------------------------------------------------------------------
 
@@ -376,6 +422,14 @@ class ConcurrentEngine:
         self._capture(kind)
         if not self.engine.graphs:
             self._run(kind)  # compiles, where the engine compiles
+        self._capture_packs(kind)
+
+    def _capture_packs(self, kind: str) -> None:
+        """Every pack length's refill graph for the step kind (DFlash's writes the drafter's
+        context too), so that no capture falls in a timed decode."""
+        if self.engine.graphs:
+            for T in self.packs:
+                self._pack_graph(T, kind == "dflash")
 
     # -- the loop ----------------------------------------------------------------------------
 
@@ -389,40 +443,51 @@ class ConcurrentEngine:
         responses in prompt order and the wall time of the whole (prefills included)."""
         kind, q = self._kind(method, lookup)
         self._capture(kind)
+        self._capture_packs(kind)
         slack = 0 if kind == "greedy" else q
         for p in prompts:
             self.engine._check_fit(len(p), max_new_tokens, slack)
         queue = deque(enumerate(prompts))
         busy: dict[int, _Row] = {}
         done: list[Decoded | None] = [None] * len(prompts)
-        taps = kind == "dflash"
         t0 = clock(self.device)
+        self.steps_run = self.prefills = 0
 
-        def admit(r: int) -> None:
-            while queue:
-                i, p = queue.popleft()
-                row = _Row(i, list(p), [self._prefill(r, list(p), taps)])
-                if lookup is not None:
-                    row.proposer = PromptLookupProposer(**asdict(lookup))
-                    row.proposer.start(list(p), None)
-                if row.out[0] in stop_ids or max_new_tokens <= 1:
-                    done[i] = _decoded(row, max_new_tokens, stop_ids)
-                    continue
-                busy[r] = row
-                self.idle[r] = False
-                return
-            self.idle[r] = True
-            self.length[r] = 0
+        def admit(free: list[int]) -> None:
+            """The queue's next prompts into the free rows, a pack at a time; a prompt whose
+            first token ends it is done at once and its row taken again. Rows the queue cannot
+            fill idle (the queue is empty then: a row idles from then on)."""
+            while free and queue:
+                jobs, used = [], 0
+                while free and queue and used + len(queue[0][1]) <= self.packs[-1]:
+                    i, p = queue.popleft()
+                    jobs.append((free.pop(), i, list(p)))
+                    used += len(p)
+                for (r, i, p), first in zip(jobs, self._prefill(jobs, kind == "dflash"),
+                                            strict=True):  # fmt: skip
+                    row = _Row(i, p, [first])
+                    if lookup is not None:
+                        row.proposer = PromptLookupProposer(**asdict(lookup))
+                        row.proposer.start(p, None)
+                    if first in stop_ids or max_new_tokens <= 1:
+                        done[i] = _decoded(row, max_new_tokens, stop_ids)
+                        free.append(r)
+                    else:
+                        busy[r] = row
+            if free:
+                idle = torch.tensor(free, dtype=torch.long, device=self.device)
+                self.idle.index_fill_(0, idle, True)
+                self.length.index_fill_(0, idle, 0)
 
-        for r in range(self.rows):
-            admit(r)
-        self.steps_run = 0
+        self.idle.fill_(False)
+        admit(list(range(self.rows))[::-1])
         while busy:
             self.steps_run += 1
             if kind.startswith("lookup@"):
                 self._plan_lookups(kind, busy)
             self._run(kind)
             packed = self.packed[kind].tolist()  # the step's one read-back
+            freed = []
             for r in list(busy):
                 row = busy[r]
                 count, *greedy = packed[r]
@@ -434,7 +499,9 @@ class ConcurrentEngine:
                 if len(row.out) >= max_new_tokens or any(t in stop_ids for t in new):
                     done[row.index] = _decoded(row, max_new_tokens, stop_ids)
                     del busy[r]
-                    admit(r)
+                    freed.append(r)
+            if freed:
+                admit(freed)
         wall = clock(self.device) - t0
         return [d for d in done if d is not None], wall
 
