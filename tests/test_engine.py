@@ -390,6 +390,27 @@ def test_compiled_layers_decode_as_the_eager_ones(llama, drafter, engine):
             assert max(got.accepted_lengths) > 1  # drafts were accepted: the verify path ran
 
 
+def test_compiled_concurrent_steps_decode_as_the_eager_ones_in_one_graph_per_step(llama, drafter):
+    """evaluate.concurrency's steps compiled (as on a GPU): every level decodes the tokens and
+    acceptances of the uncompiled engine, and the row counts above 2 reuse the graphs compiled
+    for 2 (dynamic rows), so a level costs no compile of its own."""
+    from torch._dynamo.utils import counters
+
+    from dflashpipe.decoding.concurrent import ConcurrentEngine
+
+    eager, compiled = Engine(llama, MAX_LEN, drafter), Engine(llama, MAX_LEN, drafter, compile=True)
+    graphs = {}
+    for rows in (1, 2, 3):
+        before = counters["stats"]["unique_graphs"]
+        for method in ("target", "dflash"):
+            want, got = (ConcurrentEngine(e, rows).decode(method, PROMPTS, NEW, set())[0]
+                         for e in (eager, compiled))  # fmt: skip
+            assert [d.output_ids for d in got] == [d.output_ids for d in want], (rows, method)
+            assert [d.accepted_lengths for d in got] == [d.accepted_lengths for d in want]
+        graphs[rows] = counters["stats"]["unique_graphs"] - before
+    assert graphs[1] > 0 and graphs[2] > 0 and graphs[3] == 0, graphs
+
+
 def test_compiled_attention_equals_sdpa_under_a_folded_mask():
     """The compiled path's plain-op attention (families.attend_cache) against SDPA's, GQA
     folded, a causal-plus-prefix mask in which padding slots past the valid length stay hidden."""

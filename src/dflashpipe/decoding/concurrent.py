@@ -209,9 +209,11 @@ class _Row:
 class ConcurrentEngine:
     """`rows` sequences decoded side by side (module docstring) on `engine`'s models: its
     target and drafter modules, fused weights, RoPE tables and compile / graph settings; one
-    set of row buffers per instance."""
+    set of row buffers per instance. `dynamic` (torch.compile's, where the engine compiles):
+    None, one graph per step function for every row count above 1 (Dynamo's automatic dynamic
+    shapes); False, one per row count (benchmarks/RESULTS.md compares them)."""
 
-    def __init__(self, engine: Engine, rows: int):
+    def __init__(self, engine: Engine, rows: int, dynamic: bool | None = None):
         check_rows(engine, rows)
         self.engine, self.rows = engine, rows
         t, d = engine.target, engine.drafter
@@ -231,12 +233,11 @@ class ConcurrentEngine:
             self.dk, self.dv = [k[:rows] for k in dk], [v[:rows] for v in dv]
         longest = 1 << (t.capacity - 1).bit_length()  # every prompt fits a pack
         self.packs = pack_lengths(max(longest, default_pack(t.model)))
-        self.inputs, self.layer = compiled(rows_inputs, on), compiled(rows_layer, on)
-        self.outputs = compiled(target_outputs, on)
-        self.draft_inputs = compiled(rows_drafter_inputs, on)
-        self.draft_layer = compiled(rows_drafter_layer, on)
-        self.context = compiled(rows_context, on)
-        self.chain = compiled(rows_chain, on)
+        fns = rows_inputs, rows_layer, target_outputs, rows_drafter_inputs, rows_drafter_layer
+        self.inputs, self.layer, self.outputs, self.draft_inputs, self.draft_layer = (
+            compiled(fn, on, dynamic) for fn in fns
+        )
+        self.context, self.chain = (compiled(fn, on, dynamic) for fn in (rows_context, rows_chain))
         long = {"dtype": torch.long, "device": self.device}
         self.length = torch.zeros(rows, **long)
         self.anchor = torch.zeros(rows, **long)

@@ -237,10 +237,12 @@ def capture(
     return graph
 
 
-def compiled(fn, on: bool):
+def compiled(fn, on: bool, dynamic: bool | None = False):
     """fn compiled for fixed shapes (one graph per shape; a layer function is shared by every
-    layer of a model: regional compilation), or fn itself."""
-    return torch.compile(fn, fullgraph=True, dynamic=False) if on else fn
+    layer of a model: regional compilation), or fn itself. `dynamic=None`: Dynamo's automatic
+    dynamic shapes instead, one graph for the sizes a second call changes (sizes 0 and 1 keep
+    their own): the concurrent engine's steps, whose row count is each level's."""
+    return torch.compile(fn, fullgraph=True, dynamic=dynamic) if on else fn
 
 
 def _aligned(n: int) -> int:
