@@ -406,6 +406,12 @@ def test_concurrency_levels_decode_the_same_answers(tiny_target_dir, target_conf
         # rows advance together: a level's steps are at least its longest answer's
         assert row["target"]["steps"] >= max(r["new_tokens"] for r in metrics["responses"]) - 1
         assert row["dflash"]["steps"] <= row["target"]["steps"]  # a block gives >= 1 token
+        for r in row.values():  # where the wall time went: refills, host work, steps
+            assert 1 <= r["prefills"] <= 3 and 0 < r["prefill_share"] < 1
+            # refills and host work measured apart: together less than the wall time
+            assert r["host_ms_per_step"] > 0 and r["step_ms"] > 0
+        if int(c) >= 3:  # rows for every prompt: one refill pack holds them all
+            assert all(r["prefills"] == 1 for r in row.values()), c
     below = [int(c) for c, r in figures["levels"].items() if r["dflash"]["speedup"] < 1.0]
     assert figures["dflash_below_target_at"] == (min(below) if below else None)
     # the report draws and tables them

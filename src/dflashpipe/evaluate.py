@@ -246,7 +246,9 @@ def decode_and_check(
 
 
 # c -> method -> (responses, wall s, steps)
-ConcurrencyRuns = dict[int, dict[str, tuple[list[Decoded], float, int]]]
+# per level and method: the responses, the wall time, and the engine's counts of that decode
+# (steps, prefills, prefill_s, host_s: ConcurrentEngine.decode)
+ConcurrencyRuns = dict[int, dict[str, tuple[list[Decoded], float, dict]]]
 
 
 def decode_concurrent(
@@ -283,7 +285,8 @@ def decode_concurrent(
         runs[c] = {}
         for m in methods:
             out, wall = rows.decode(m, ids, n, stop_ids, lookup)
-            runs[c][m] = out, wall, rows.steps_run
+            counts = ("steps_run", "prefills", "prefill_s", "host_s")
+            runs[c][m] = out, wall, {k: getattr(rows, k) for k in counts}
         log.info("concurrency %d: %s", c, ", ".join(
             f"{m} {sum(len(d.output_ids) for d in out) / wall:.1f} tok/s"
             for m, (out, wall, _) in runs[c].items()))  # fmt: skip
@@ -298,28 +301,35 @@ def concurrency_figures(runs: ConcurrencyRuns, one_at_a_time: dict[str, list[Dec
     wall time, prefills included), speedup against target-only at that level, tau, and the
     share of responses equal to the per-prompt pass's in the run dtype (1.0 in float32; bf16
     may flip near-ties where the batch changes the rounding); the lowest level where DFlash is
-    slower than target-only (None: not reached up to the largest). step_cost: a step's wall
-    time (prefills spread over the steps) over target-only's at that level."""
+    slower than target-only (None: not reached up to the largest). Where the wall time went:
+    refills (`prefill_share`, `prefills` packs), host work between steps while the device idles
+    (`host_ms_per_step`), and the rest per step (`step_ms`: the step's device work, its launch
+    and read-back); `step_cost` is step_ms over target-only's at that level."""
     levels: dict[str, dict] = {}
     for c, by_method in sorted(runs.items()):
-        rates = {
-            m: sum(len(d.output_ids) for d in out) / wall for m, (out, wall, _) in by_method.items()
-        }
-        per_step = {m: wall / max(steps, 1) for m, (_, wall, steps) in by_method.items()}
+        rates, step_ms = {}, {}
+        for m, (out, wall, k) in by_method.items():
+            rates[m] = sum(len(d.output_ids) for d in out) / wall
+            steps = max(k["steps_run"], 1)
+            step_ms[m] = 1e3 * (wall - k["prefill_s"] - k["host_s"]) / steps
         levels[str(c)] = {
             m: {
                 "tokens_per_s": rates[m],
                 "speedup": rates[m] / rates["target"],
                 "acceptance_length": _mean([t for d in out if (t := d.acceptance_length) is not None]),
                 "wall_s": wall,
-                "steps": steps,
-                "step_cost": per_step[m] / per_step["target"],
+                "steps": k["steps_run"],
+                "step_ms": step_ms[m],
+                "step_cost": step_ms[m] / step_ms["target"],
+                "host_ms_per_step": 1e3 * k["host_s"] / max(k["steps_run"], 1),
+                "prefills": k["prefills"],
+                "prefill_share": k["prefill_s"] / wall,
                 "same_as_one_at_a_time": _mean([
                     float(d.output_ids == ref.output_ids)
                     for d, ref in zip(out, one_at_a_time.get(m, []), strict=False)
                 ]),
             }
-            for m, (out, wall, steps) in by_method.items()
+            for m, (out, wall, k) in by_method.items()
         }  # fmt: skip
     below = [int(c) for c, row in levels.items() if row["dflash"]["speedup"] < 1.0]
     return {"levels": levels, "dflash_below_target_at": min(below) if below else None,

@@ -137,12 +137,15 @@ def under_load(evaluation: dict, img: str) -> str:
         return ""
     levels = figures["levels"]
     lookup = "prompt_lookup" in levels["1"]
-    head = "| concurrency | target tok/s | DFlash tok/s | DFlash speedup | DFlash tau |"
+    head = ("| concurrency | target tok/s | DFlash tok/s | DFlash speedup | DFlash tau | "
+            "DFlash step (target steps) | refills (share of DFlash's time) |")  # fmt: skip
     head += " prompt lookup speedup |" if lookup else ""
-    lines = [head, "|---" * (5 + lookup) + "|"]
+    lines = [head, "|---" * (7 + lookup) + "|"]
     for c in sorted(levels, key=int):
         t, d = levels[c]["target"], levels[c]["dflash"]
-        row = f"| {c} | {t['tokens_per_s']:.1f} | {d['tokens_per_s']:.1f} | {d['speedup']:.2f}x | {_fmt(d['acceptance_length'])} |"
+        row = (f"| {c} | {t['tokens_per_s']:.1f} | {d['tokens_per_s']:.1f} | {d['speedup']:.2f}x | "
+               f"{_fmt(d['acceptance_length'])} | {d['step_cost']:.2f} | "
+               f"{d['prefill_share']:.0%} |")  # fmt: skip
         lines.append(row + (f" {levels[c]['prompt_lookup']['speedup']:.2f}x |" if lookup else ""))
     below = figures["dflash_below_target_at"]
     verdict = (f"DFlash is slower than target-only from concurrency {below}" if below
@@ -150,7 +153,8 @@ def under_load(evaluation: dict, img: str) -> str:
     table = "\n".join(lines)
     return f"""## Under load (evaluate.concurrency)
 The prompts decoded c at a time with continuous refill; tok/s counts every generated token over
-the wall time, prefills included. {verdict}.
+the wall time, prefills included. A DFlash step's cost is its time (without refills and host
+work) in target-only steps of the same level. {verdict}.
 
 {table}
 

@@ -31,6 +31,7 @@ batched: evaluate measures it at c = 1 only.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -251,8 +252,9 @@ class ConcurrentEngine:
         self._graphs: dict[str, torch.cuda.CUDAGraph] = {}
         self._packs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, Tensor]] = {}
         self._pool = None
-        self.steps_run = 0  # the last decode's steps (one forward of every row each)
-        self.prefills = 0  # the last decode's refill packs
+        # the last decode's: steps (one forward of every row each), refill packs, seconds in
+        # refills (packing, prefill, read-back) and in host work between steps (the device idle)
+        self.steps_run, self.prefills, self.prefill_s, self.host_s = 0, 0, 0.0, 0.0
 
     # -- device work -------------------------------------------------------------------------
 
@@ -331,6 +333,7 @@ class ConcurrentEngine:
         """Each job's prompt (row, prompt index, tokens) into its row at slots 0..P-1, all in
         one pack of the shortest length that holds them; the row's anchor (its first new token)
         and length set. Returns the first tokens (the pack's one read-back)."""
+        start = clock(self.device)  # the device is idle here: after a read-back or a refill
         used = sum(len(p) for _, _, p in jobs)
         T = next(n for n in self.packs if n >= used)
         pack, last, at = self._blank(T), np.zeros(self.rows, dtype=np.int64), 0
@@ -350,8 +353,10 @@ class ConcurrentEngine:
         rows = torch.tensor([r for r, _, _ in jobs], **long)
         self.anchor.index_copy_(0, rows, self.first[:n])
         self.length.index_copy_(0, rows, torch.tensor([len(p) for _, _, p in jobs], **long))
+        firsts = self.first[:n].tolist()
         self.prefills += 1
-        return self.first[:n].tolist()
+        self.prefill_s += time.perf_counter() - start
+        return firsts
 
     def _blank(self, T: int) -> np.ndarray:
         """A pack (4, T) of padding only: ids 0, the scratch row, position 0, prompt -1."""
@@ -452,7 +457,7 @@ class ConcurrentEngine:
         busy: dict[int, _Row] = {}
         done: list[Decoded | None] = [None] * len(prompts)
         t0 = clock(self.device)
-        self.steps_run = self.prefills = 0
+        self.steps_run, self.prefills, self.prefill_s, self.host_s = 0, 0, 0.0, 0.0
 
         def admit(free: list[int]) -> None:
             """The queue's next prompts into the free rows, a pack at a time; a prompt whose
@@ -482,12 +487,15 @@ class ConcurrentEngine:
 
         self.idle.fill_(False)
         admit(list(range(self.rows))[::-1])
+        mark, refills = time.perf_counter(), self.prefill_s
         while busy:
             self.steps_run += 1
             if kind.startswith("lookup@"):
                 self._plan_lookups(kind, busy)
+            self.host_s += time.perf_counter() - mark - (self.prefill_s - refills)
             self._run(kind)
             packed = self.packed[kind].tolist()  # the step's one read-back
+            mark, refills = time.perf_counter(), self.prefill_s
             freed = []
             for r in list(busy):
                 row = busy[r]
