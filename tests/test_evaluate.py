@@ -412,6 +412,12 @@ def test_concurrency_levels_decode_the_same_answers(tiny_target_dir, target_conf
             assert r["host_ms_per_step"] > 0 and r["step_ms"] > 0
         if int(c) >= 3:  # rows for every prompt: one refill pack holds them all
             assert all(r["prefills"] == 1 for r in row.values()), c
+        # prompt lookup under load at each source's best setting of the sweep
+        sweep = {
+            r["config"]: r["per_source"] for r in metrics["baseline"]["prompt_lookup"]["sweep"]
+        }
+        for source, name in row["prompt_lookup"]["settings"].items():
+            assert sweep[name][source] == max(t[source] for t in sweep.values()), (c, source)
     below = [int(c) for c, r in figures["levels"].items() if r["dflash"]["speedup"] < 1.0]
     assert figures["dflash_below_target_at"] == (min(below) if below else None)
     # the report draws and tables them

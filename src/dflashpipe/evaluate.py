@@ -245,7 +245,6 @@ def decode_and_check(
         fp32.close()
 
 
-# c -> method -> (responses, wall s, steps)
 # per level and method: the responses, the wall time, and the engine's counts of that decode
 # (steps, prefills, prefill_s, host_s: ConcurrentEngine.decode)
 ConcurrencyRuns = dict[int, dict[str, tuple[list[Decoded], float, dict]]]
@@ -256,7 +255,8 @@ def decode_concurrent(
 ) -> ConcurrencyRuns:
     """evaluate.concurrency's pass: where a level is above 1, every prompt decoded c at a time
     for each level and for c = 1 (the curve's start, measured the same way), target-only, DFlash
-    and prompt lookup (its configured setting) on one static engine's models. Refused before
+    and prompt lookup (each source's best setting: `lookups_at_best`) on one static engine's
+    models. Refused before
     any decoding where the target has no static engine or the largest level's buffers do not
     fit (naming the key). {} when every level is 1."""
     levels = sorted({1, *ev.concurrency})
@@ -276,17 +276,24 @@ def decode_concurrent(
     except ValueError as e:
         raise ConfigError(str(e)) from e
     methods = ["target", "dflash"] + (["prompt_lookup"] if "prompt_lookup" in ev.methods else [])
-    lookup, ids = configured_lookup(ev), [p for _, p in prompts]
+    ids, lookups = [p for _, p in prompts], None
     runs: ConcurrencyRuns = {}
     for c in levels:
         rows = ConcurrentEngine(engine, c)
-        for m in methods:  # compiled and captured before any timing
-            rows.prepare(m, lookup)
+        for m in methods[:2]:  # compiled and captured before any timing
+            rows.prepare(m)
         runs[c] = {}
         for m in methods:
-            out, wall = rows.decode(m, ids, n, stop_ids, lookup)
+            if m == "prompt_lookup":
+                if lookups is None:  # from target-only's answers at c = 1, the first level
+                    lookups = lookups_at_best(prompts, runs[c]["target"][0], ev, stop_ids)
+                rows.prepare(m, lookups)
+            out, wall = rows.decode(m, ids, n, stop_ids, lookups)
             counts = ("steps_run", "prefills", "prefill_s", "host_s")
             runs[c][m] = out, wall, {k: getattr(rows, k) for k in counts}
+            if m == "prompt_lookup":  # the setting each source's rows used
+                settings = zip(prompts, lookups, strict=True)
+                runs[c][m][2]["settings"] = {row["source"]: cfg.name for (row, _), cfg in settings}
         log.info("concurrency %d: %s", c, ", ".join(
             f"{m} {sum(len(d.output_ids) for d in out) / wall:.1f} tok/s"
             for m, (out, wall, _) in runs[c].items()))  # fmt: skip
@@ -294,6 +301,20 @@ def decode_concurrent(
         if model.device.type == "cuda":
             torch.cuda.empty_cache()
     return runs
+
+
+def lookups_at_best(
+    prompts: list[tuple[dict, list[int]]], target: list[Decoded], ev: EvaluateConfig,
+    stop_ids: set[int],
+) -> list[LookupConfig]:  # fmt: skip
+    """Prompt lookup's setting per prompt under load: its source's best in the sweep replayed on
+    target-only's answers, as the per-prompt pass's baseline at its best (the configured one
+    where evaluate.prompt_lookup_sweep is off)."""
+    if not ev.prompt_lookup_sweep:
+        return [configured_lookup(ev)] * len(prompts)
+    outputs = [d.output_ids for d in target]
+    swept = sweep([p for _, p in prompts], outputs, ev.max_new_tokens, stop_ids)
+    return best_lookups(prompts, swept)
 
 
 def concurrency_figures(runs: ConcurrencyRuns, one_at_a_time: dict[str, list[Decoded]]) -> dict:
@@ -304,7 +325,8 @@ def concurrency_figures(runs: ConcurrencyRuns, one_at_a_time: dict[str, list[Dec
     slower than target-only (None: not reached up to the largest). Where the wall time went:
     refills (`prefill_share`, `prefills` packs), host work between steps while the device idles
     (`host_ms_per_step`), and the rest per step (`step_ms`: the step's device work, its launch
-    and read-back); `step_cost` is step_ms over target-only's at that level."""
+    and read-back); `step_cost` is step_ms over target-only's at that level. Prompt lookup's
+    `settings`: the one each source's prompts used."""
     levels: dict[str, dict] = {}
     for c, by_method in sorted(runs.items()):
         rates, step_ms = {}, {}
@@ -324,6 +346,7 @@ def concurrency_figures(runs: ConcurrencyRuns, one_at_a_time: dict[str, list[Dec
                 "host_ms_per_step": 1e3 * k["host_s"] / max(k["steps_run"], 1),
                 "prefills": k["prefills"],
                 "prefill_share": k["prefill_s"] / wall,
+                **({"settings": k["settings"]} if "settings" in k else {}),
                 "same_as_one_at_a_time": _mean([
                     float(d.output_ids == ref.output_ids)
                     for d, ref in zip(out, one_at_a_time.get(m, []), strict=False)

@@ -139,7 +139,7 @@ def under_load(evaluation: dict, img: str) -> str:
     lookup = "prompt_lookup" in levels["1"]
     head = ("| concurrency | target tok/s | DFlash tok/s | DFlash speedup | DFlash tau | "
             "DFlash step (target steps) | refills (share of DFlash's time) |")  # fmt: skip
-    head += " prompt lookup speedup |" if lookup else ""
+    head += " prompt lookup speedup (best setting per source) |" if lookup else ""
     lines = [head, "|---" * (7 + lookup) + "|"]
     for c in sorted(levels, key=int):
         t, d = levels[c]["target"], levels[c]["dflash"]

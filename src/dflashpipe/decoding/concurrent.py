@@ -63,6 +63,9 @@ from dflashpipe.decoding.static_models import (
 from dflashpipe.decoding.types import Decoded, clock, finish
 from dflashpipe.model import Drafter, apply_rope
 
+# prompt lookup's setting: one for every prompt, or one per prompt (evaluate: each source's best)
+Lookups = LookupConfig | Sequence[LookupConfig] | None
+
 
 def rows_inputs(
     embed: nn.Module, tables: list[tuple[Tensor, Tensor]], cols: Tensor, ids: Tensor,
@@ -377,8 +380,9 @@ class ConcurrentEngine:
 
     # -- steps and graphs --------------------------------------------------------------------
 
-    def _kind(self, method: str, lookup: LookupConfig | None) -> tuple[str, int]:
-        """The step kind of `method` and its tokens per row (registered on first use)."""
+    def _kind(self, method: str, lookup: Lookups) -> tuple[str, int]:
+        """The step kind of `method` and its tokens per row (registered on first use); prompt
+        lookup's verifies the most drafts any of its settings proposes."""
         long = {"dtype": torch.long, "device": self.device}
         if method == "target":
             kind, q, step = "greedy", 1, self._greedy_step
@@ -386,8 +390,8 @@ class ConcurrentEngine:
             if self.engine.drafter is None:
                 raise ValueError("this engine was built without a drafter; DFlash needs one")
             kind, q, step = "dflash", self.engine.drafter.block_size, self._dflash_step
-        elif method == "prompt_lookup" and lookup is not None:
-            K = lookup.num_drafts
+        elif method == "prompt_lookup":
+            K = max(c.num_drafts for c in _settings(lookup, 1))
             kind, q = f"lookup@{K}", K + 1
             self.drafts.setdefault(kind, torch.zeros(self.rows, K + 1, **long))
             self.plans.setdefault(kind, torch.zeros(self.rows, K + 1, dtype=torch.long))
@@ -419,7 +423,7 @@ class ConcurrentEngine:
             self.steps[kind]()
 
     @torch.no_grad()
-    def prepare(self, method: str, lookup: LookupConfig | None = None) -> None:
+    def prepare(self, method: str, lookup: Lookups = None) -> None:
         """Compile and capture `method`'s step before any timing (decode does it too)."""
         kind, _ = self._kind(method, lookup)
         self.length.zero_()
@@ -442,12 +446,14 @@ class ConcurrentEngine:
     @torch.no_grad()
     def decode(
         self, method: str, prompts: Sequence[list[int]], max_new_tokens: int, stop_ids: set[int],
-        lookup: LookupConfig | None = None,
+        lookup: Lookups = None,
     ) -> tuple[list[Decoded], float]:  # fmt: skip
         """Every prompt decoded with `method` ("target", "dflash", "prompt_lookup" with the
-        `lookup` configuration, a proposer of it per row), `rows` at a time with refill; the
-        responses in prompt order and the wall time of the whole (prefills included)."""
+        `lookup` setting, or each prompt with its own: a proposer of it per row), `rows` at a
+        time with refill; the responses in prompt order and the wall time of the whole
+        (prefills included)."""
         kind, q = self._kind(method, lookup)
+        settings = _settings(lookup, len(prompts)) if kind.startswith("lookup@") else None
         self._capture(kind)
         self._capture_packs(kind)
         slack = 0 if kind == "greedy" else q
@@ -472,8 +478,8 @@ class ConcurrentEngine:
                 for (r, i, p), first in zip(jobs, self._prefill(jobs, kind == "dflash"),
                                             strict=True):  # fmt: skip
                     row = _Row(i, p, [first])
-                    if lookup is not None:
-                        row.proposer = PromptLookupProposer(**asdict(lookup))
+                    if settings is not None:
+                        row.proposer = PromptLookupProposer(**asdict(settings[i]))
                         row.proposer.start(p, None)
                     if first in stop_ids or max_new_tokens <= 1:
                         done[i] = _decoded(row, max_new_tokens, stop_ids)
@@ -523,6 +529,18 @@ class ConcurrentEngine:
             plan[r, 0] = len(drafts)
             plan[r, 1 : 1 + len(drafts)] = torch.tensor(drafts, dtype=torch.long)
         self.drafts[kind].copy_(plan)
+
+
+def _settings(lookup: Lookups, prompts: int) -> list[LookupConfig]:
+    """Prompt lookup's setting per prompt (a single one for all; refused: none, or a list of
+    another length)."""
+    if lookup is None:
+        raise ValueError("prompt lookup needs its setting: pass lookup=LookupConfig(...)")
+    if isinstance(lookup, LookupConfig):
+        return [lookup] * prompts
+    if prompts > 1 and len(lookup) != prompts:
+        raise ValueError(f"{len(lookup)} prompt lookup settings for {prompts} prompts")
+    return list(lookup)
 
 
 def _decoded(row: _Row, max_new_tokens: int, stop_ids: set[int]) -> Decoded:
