@@ -345,13 +345,15 @@ class ConcurrentEngine:
             pack[:, at : at + m] = [ids, [r] * m, range(m), [k] * m]
             last[k], at = at + m - 1, at + m
         pack_t = torch.from_numpy(pack).to(self.device)
+        # the graph first: a capture (none where decode prepared them) zeroes `last`
+        captured = self._pack_graph(T, taps) if self.engine.graphs else None
         self.last.copy_(torch.from_numpy(last))
-        if self.engine.graphs:
-            graph, static = self._pack_graph(T, taps)
+        if captured is None:
+            self._pack_step(pack_t, taps)
+        else:
+            graph, static = captured
             static.copy_(pack_t)
             graph.replay()
-        else:
-            self._pack_step(pack_t, taps)
         n, long = len(jobs), {"dtype": torch.long, "device": self.device}
         rows = torch.tensor([r for r, _, _ in jobs], **long)
         self.anchor.index_copy_(0, rows, self.first[:n])
