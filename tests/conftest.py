@@ -393,6 +393,7 @@ LONGEST_FIRST = {  # seconds on the 2-core machine with two workers (tests/READM
     "test_extract_on_a_full_disk": 39,
     "test_killed_job_leaves_no_shard_and_rerun_matches": 31,
     "test_a_fresh_machine_loads_the_bundle_instead_of_compiling": 30,  # two CPU compiles
+    "test_compiled_concurrent_steps_decode_as_the_eager_ones_in_one_graph_per_step": 41,
 }
 PAIRED = {  # (runs just before, runs just after): tests that would otherwise wait on a lock
     # the two SLURM tests share one cluster, one at a time
