@@ -295,8 +295,10 @@ def decode_concurrent(
                 settings = zip(prompts, lookups, strict=True)
                 runs[c][m][2]["settings"] = {row["source"]: cfg.name for (row, _), cfg in settings}
         log.info("concurrency %d: %s", c, ", ".join(
-            f"{m} {sum(len(d.output_ids) for d in out) / wall:.1f} tok/s"
-            for m, (out, wall, _) in runs[c].items()))  # fmt: skip
+            f"{m} {sum(len(d.output_ids) for d in out) / wall:.1f} tok/s ({k['steps_run']} steps,"
+            f" {k['prefills']} refill packs = {k['prefill_s'] / wall:.0%} of {wall:.1f} s, host "
+            f"{1e3 * k['host_s'] / max(k['steps_run'], 1):.2f} ms/step)"
+            for m, (out, wall, k) in runs[c].items()))  # fmt: skip
         del rows
         if model.device.type == "cuda":
             torch.cuda.empty_cache()
