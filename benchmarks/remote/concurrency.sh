@@ -9,7 +9,7 @@
 cd "$(dirname "$0")/../.." && . benchmarks/remote/setup.sh >/dev/null
 C=/tmp/conc; mkdir -p $C
 D=$(ls /tmp/xfer/drafter-*.tar.zst.[0-9]* 2>/dev/null || ls /tmp/xfer/drafter-*.tar.zst)  # parts or joined
-cat $D | python3 -c "import sys, zstandard; zstandard.ZstdDecompressor().copy_stream(sys.stdin.buffer, sys.stdout.buffer)" | tar x -C $C
+cat $D | unzst | tar x -C $C
 python3 - <<'PY' > $C/config.yaml
 import sys, yaml
 sys.path.insert(0, "benchmarks")

@@ -34,11 +34,11 @@ cat /tmp/q/*.out > $OUT/drivers.out 2>/dev/null
 if [ -n "${CC:-}" ] && ls /tmp/cc/*.torchcompile >/dev/null 2>&1; then  # CC=1: the compile bundles
   # in one zstd tar: they shrink about 29x (regenerate's 14.4 MB to 0.5 MB), under a returned
   # file's 16 MiB and a carry's 64 MiB together
-  (cd /tmp/cc && tar cf - *.torchcompile) | python3 -c "import sys, zstandard; zstandard.ZstdCompressor(level=9, threads=-1).copy_stream(sys.stdin.buffer, open(sys.argv[1], 'wb'))" $OUT/cc.tar.zst
+  (cd /tmp/cc && tar cf - *.torchcompile) | zst > $OUT/cc.tar.zst
   ls /tmp/cc/*.torchcompile | xargs -n1 basename; du -sh $OUT/cc.tar.zst
 fi
 if [ -n "${DRAFTER:-}" ] && [ -d /tmp/runs/quality-$DRAFTER/results/drafter ]; then
-  tar cf - -C /tmp/runs/quality-$DRAFTER/results drafter | python3 -c "import sys, zstandard; zstandard.ZstdCompressor(level=9, threads=-1).copy_stream(sys.stdin.buffer, sys.stdout.buffer)" | split -b 15000000 -d - $OUT/drafter-$DRAFTER.tar.zst.
+  tar cf - -C /tmp/runs/quality-$DRAFTER/results drafter | zst | split -b 15000000 -d - $OUT/drafter-$DRAFTER.tar.zst.
   ls -la $OUT/drafter-$DRAFTER.tar.zst.*
 fi
 if [ -n "${KEEP:-}" ]; then   # a call returns 8 files: 4 parts here, the rest on later calls

@@ -9,12 +9,16 @@ if [ -d .remote/a/whl ] && [ ! -f /tmp/site/.done ]; then
 fi
 [ -x /tmp/bin/python ] || { printf '#!/bin/sh\nexec python3 "$@"\n' > /tmp/bin/python; chmod +x /tmp/bin/python; }
 export PATH=/tmp/bin:/tmp/site/bin:$PATH PYTHONPATH=/tmp/site:$PWD/src
+# zstd as stream filters (no zstd binary there; the library comes with the carried wheels), for
+# this script and those that source it (mon.sh, concurrency.sh)
+unzst() { python3 -c "import sys, zstandard; zstandard.ZstdDecompressor().copy_stream(sys.stdin.buffer, sys.stdout.buffer)"; }
+zst() { python3 -c "import sys, zstandard; zstandard.ZstdCompressor(level=9, threads=-1).copy_stream(sys.stdin.buffer, sys.stdout.buffer)"; }
 for d in .remote/a .remote/b .remote/k* .remote/g*; do [ -d $d ] && find $d -maxdepth 1 -type f -exec cp --update=none {} /tmp/xfer/ \;; done
 # torch.compile's bundles: an earlier machine's (pack.sh compile) loaded, this machine's saved here
 export DFLASHPIPE_COMPILE_CACHE=/tmp/cc
 mkdir -p /tmp/cc
 for f in .remote/cc/*.tar.zst; do
-  [ -f "$f" ] && python3 -c "import sys, zstandard; zstandard.ZstdDecompressor().copy_stream(open(sys.argv[1], 'rb'), sys.stdout.buffer)" "$f" | tar x --skip-old-files -C /tmp/cc
+  [ -f "$f" ] && unzst < "$f" | tar x --skip-old-files -C /tmp/cc
 done
 GG=/tmp/res/gemma3/gemma-3-270m-q4_k_m.gguf
 if [ ! -f $GG ] && [ "$(ls /tmp/xfer/gemma.gguf.[0-4] 2>/dev/null | wc -l)" = 5 ]; then
@@ -24,11 +28,11 @@ if [ ! -f $GG ] && [ "$(ls /tmp/xfer/gemma.gguf.[0-4] 2>/dev/null | wc -l)" = 5 
 fi
 G=/tmp/res/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 if [ ! -f $G ] && [ -f /tmp/xfer/gguf.zst.0 ] && [ -f /tmp/xfer/gguf.zst.1 ]; then
-  cat /tmp/xfer/gguf.zst.0 /tmp/xfer/gguf.zst.1 | python3 -c "import sys, zstandard; zstandard.ZstdDecompressor().copy_stream(sys.stdin.buffer, open(sys.argv[1], 'wb'))" $G.tmp && mv $G.tmp $G
+  cat /tmp/xfer/gguf.zst.0 /tmp/xfer/gguf.zst.1 | unzst > $G.tmp && mv $G.tmp $G
 fi
 S=/tmp/res/sharegpt/ShareGPT_V3_unfiltered_cleaned_split.json
 if [ ! -f $S ] && [ -f /tmp/xfer/sharegpt.json.zst ]; then
-  python3 -c "import zstandard,sys; zstandard.ZstdDecompressor().copy_stream(open(sys.argv[1],'rb'), open(sys.argv[2],'wb'))" /tmp/xfer/sharegpt.json.zst $S.tmp && mv $S.tmp $S
+  unzst < /tmp/xfer/sharegpt.json.zst > $S.tmp && mv $S.tmp $S
 fi
 [ -f /tmp/xfer/HumanEval.jsonl.gz ] && cp --update=none /tmp/xfer/HumanEval.jsonl.gz /tmp/res/humaneval/ || true
 for w in /tmp/xfer/*-py3-none-any.whl; do [ -f "$w" ] && cp --update=none "$w" /tmp/res/code/; done
