@@ -433,7 +433,7 @@ def same_as_generate(config_path: str, prompts_path: str, count: int, device,
 
     import pyarrow.parquet as pq
 
-    from dflashpipe.chat import encode_prompt, end_of_turn_ids
+    from dflashpipe.chat import encode_prompts, end_of_turn_ids
     from dflashpipe.config import load_config
     from dflashpipe.decoding.hf_generate import generation_config
     from dflashpipe.target import load_target
@@ -445,7 +445,7 @@ def same_as_generate(config_path: str, prompts_path: str, count: int, device,
     for dtype in dtypes:
         model, tok = load_target(replace(cfg.target, dtype=dtype), device)
         stops = end_of_turn_ids(tok)
-        ps = [encode_prompt(tok, r["messages"], gen.enable_thinking) for r in rows]
+        ps = encode_prompts(tok, [r["messages"] for r in rows], gen.enable_thinking)
         ps = [p for p in ps if len(p) <= (gen.max_prompt_tokens or len(p))][:count]
         engine = BatchedEngine(model, len(ps), max(map(len, ps)) + gen.max_new_tokens)
         requests = [Request(str(i), p) for i, p in enumerate(ps)]

@@ -256,9 +256,8 @@ def decode_concurrent(
     """evaluate.concurrency's pass: where a level is above 1, every prompt decoded c at a time
     for each level and for c = 1 (the curve's start, measured the same way), target-only, DFlash
     and prompt lookup (each source's best setting: `lookups_at_best`) on one static engine's
-    models. Refused before
-    any decoding where the target has no static engine or the largest level's buffers do not
-    fit (naming the key). {} when every level is 1."""
+    models. Refused before any decoding where the target has no static engine or the largest
+    level's buffers do not fit (naming the key). {} when every level is 1."""
     levels = sorted({1, *ev.concurrency})
     if levels == [1]:
         return {}
@@ -289,11 +288,11 @@ def decode_concurrent(
                     lookups = lookups_at_best(prompts, runs[c]["target"][0], ev, stop_ids)
                 rows.prepare(m, lookups)
             out, wall = rows.decode(m, ids, n, stop_ids, lookups)
-            counts = ("steps_run", "prefills", "prefill_s", "host_s")
-            runs[c][m] = out, wall, {k: getattr(rows, k) for k in counts}
+            counts = {k: getattr(rows, k) for k in ("steps_run", "prefills", "prefill_s", "host_s")}
             if m == "prompt_lookup":  # the setting each source's rows used
                 settings = zip(prompts, lookups, strict=True)
-                runs[c][m][2]["settings"] = {row["source"]: cfg.name for (row, _), cfg in settings}
+                counts["settings"] = {row["source"]: cfg.name for (row, _), cfg in settings}
+            runs[c][m] = out, wall, counts
         log.info("concurrency %d: %s", c, ", ".join(
             f"{m} {sum(len(d.output_ids) for d in out) / wall:.1f} tok/s ({k['steps_run']} steps,"
             f" {k['prefills']} refill packs = {k['prefill_s'] / wall:.0%} of {wall:.1f} s, host "
@@ -331,11 +330,12 @@ def concurrency_figures(runs: ConcurrencyRuns, one_at_a_time: dict[str, list[Dec
     `settings`: the one each source's prompts used."""
     levels: dict[str, dict] = {}
     for c, by_method in sorted(runs.items()):
-        rates, step_ms = {}, {}
+        rates, step_ms, host_ms = {}, {}, {}
         for m, (out, wall, k) in by_method.items():
             rates[m] = sum(len(d.output_ids) for d in out) / wall
             steps = max(k["steps_run"], 1)
             step_ms[m] = 1e3 * (wall - k["prefill_s"] - k["host_s"]) / steps
+            host_ms[m] = 1e3 * k["host_s"] / steps
         levels[str(c)] = {
             m: {
                 "tokens_per_s": rates[m],
@@ -345,7 +345,7 @@ def concurrency_figures(runs: ConcurrencyRuns, one_at_a_time: dict[str, list[Dec
                 "steps": k["steps_run"],
                 "step_ms": step_ms[m],
                 "step_cost": step_ms[m] / step_ms["target"],
-                "host_ms_per_step": 1e3 * k["host_s"] / max(k["steps_run"], 1),
+                "host_ms_per_step": host_ms[m],
                 "prefills": k["prefills"],
                 "prefill_share": k["prefill_s"] / wall,
                 **({"settings": k["settings"]} if "settings" in k else {}),

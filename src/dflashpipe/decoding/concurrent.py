@@ -224,7 +224,7 @@ class ConcurrentEngine:
         self.device, on = engine.device, engine.compiled
         weight = t.base.embed_tokens.weight
         # one row more than the steps read (row `rows`): a refill pack's padding writes there
-        self.kv, self.k_all, self.v_all = kv_buffer(
+        _, self.k_all, self.v_all = kv_buffer(
             len(t.base.layers), (rows + 1, t.num_kv_heads, t.capacity, t.head_dim), weight
         )
         self.k, self.v = [k[:rows] for k in self.k_all], [v[:rows] for v in self.v_all]
