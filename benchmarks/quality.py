@@ -137,10 +137,15 @@ def prepare(runs: Path, variant: str, extra_configs: list[str]) -> tuple[Path, l
     link = work / "resources"
     if not link.exists():  # a dangling link too: the repo's own may have been a link since gone
         link.unlink(missing_ok=True)
-        # to what the repo's resources/ resolves to, not to it: on the GPU machine that is a
+        # to the folder itself, not through the repo's resources/: on the GPU machine that is a
         # link to /tmp/res which each call's copy of the working tree removes (setup.sh makes
-        # it again), while runs started by an earlier call go on reading through theirs
-        link.symlink_to((REPO / "resources").resolve())
+        # it again and names the folder in QUALITY_RESOURCES), while runs started by an earlier
+        # call's background job go on being prepared after it is gone
+        res = Path(os.environ.get("QUALITY_RESOURCES") or (REPO / "resources").resolve())
+        if not res.is_dir():
+            sys.exit(f"variant {variant}: the resources folder {res} does not exist (set "
+                     "QUALITY_RESOURCES, or source benchmarks/remote/setup.sh)")  # fmt: skip
+        link.symlink_to(res)
     extra = overlay(variant)
     came_from = origin(extra)
     for name in reused(extra):

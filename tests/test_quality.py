@@ -363,6 +363,14 @@ def test_a_run_links_the_resources_the_repo_link_points_to(tmp_path, monkeypatch
     (repo / "resources").unlink()
     assert (work / "resources" / "smollm2").is_dir()
     assert (work / "results" / "sequences").is_dir()  # main's reused folders came along
+    # a run prepared once the repo's link is gone (a background job after a later call's copy
+    # of the working tree: the hf-engine run of 2026-12-05) links the folder setup.sh names
+    (runs / "quality-hf-engine").mkdir()
+    with pytest.raises(SystemExit, match="resources folder"):
+        quality.prepare(runs, "hf-engine", [])
+    monkeypatch.setenv("QUALITY_RESOURCES", str(res))
+    work, _ = quality.prepare(runs, "hf-engine", [])
+    assert (work / "resources" / "smollm2").is_dir()
 
 
 def test_a_variant_reuses_the_results_of_the_run_its_from_line_names(tmp_path):

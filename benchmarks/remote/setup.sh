@@ -37,5 +37,6 @@ fi
 [ -f /tmp/xfer/HumanEval.jsonl.gz ] && cp --update=none /tmp/xfer/HumanEval.jsonl.gz /tmp/res/humaneval/ || true
 for w in /tmp/xfer/*-py3-none-any.whl; do [ -f "$w" ] && cp --update=none "$w" /tmp/res/code/; done
 [ -e resources ] || ln -s /tmp/res resources
+export QUALITY_RESOURCES=/tmp/res  # quality.py links its runs here, not through resources/
 (cd /tmp/res && sha256sum smollm2/* sharegpt/* humaneval/* code/* gemma3/* 2>/dev/null)
 true
