@@ -273,6 +273,11 @@ def test_the_concurrency_cell_is_the_recipe_at_four_loads():
     for key in ("num_prompts", "max_new_tokens", "prompt_lookup_num_tokens", "tree_nodes"):
         assert getattr(cfg.evaluate, key) == getattr(recipe.evaluate, key), key
     assert "concurrency.yaml" in (REPO / "benchmarks" / "remote" / "concurrency.sh").read_text()
+    # the cut cell: the same loads and prompts, target-only and DFlash only
+    cut = REPO / "benchmarks" / "remote" / "concurrency-dflash.yaml"
+    small = Config.from_dict(quality.merged_configs([str(quality.RECIPE), str(cut)]))
+    assert (small.evaluate.concurrency, small.evaluate.methods) == ([1, 4, 16, 64], ["target", "dflash"])
+    assert small.evaluate.num_prompts == recipe.evaluate.num_prompts
 
 
 def test_the_4x_cell_with_the_concurrency_cell_on_top_evaluates_every_method_at_load(tmp_path):

@@ -1,5 +1,6 @@
 #!/bin/bash
-# setsid bash benchmarks/remote/concurrency.sh: issue 47's GPU cell in the background, alone on
+# setsid bash benchmarks/remote/concurrency.sh [OVERLAY.yaml]: issue 47's GPU cell in the
+# background (OVERLAY: benchmarks/remote/concurrency.yaml unless named), alone on
 # the card (its speeds are the figures). A drafter kept from an earlier machine (drafter-*.tar.zst,
 # a zstd tar of drafter/, or mon.sh DRAFTER=...'s parts of it) and the eval prompts (eval.parquet)
 # travel in a .remote/k* folder and land in /tmp/xfer; the recipe's evaluate with
@@ -10,11 +11,11 @@ cd "$(dirname "$0")/../.." && . benchmarks/remote/setup.sh >/dev/null
 C=/tmp/conc; mkdir -p $C
 D=$(ls /tmp/xfer/drafter-*.tar.zst.[0-9]* 2>/dev/null || ls /tmp/xfer/drafter-*.tar.zst)  # parts or joined
 cat $D | unzst | tar x -C $C
-python3 - <<'PY' > $C/config.yaml
+python3 - "${1:-benchmarks/remote/concurrency.yaml}" <<'PY' > $C/config.yaml
 import sys, yaml
 sys.path.insert(0, "benchmarks")
 from quality import merged_configs
-print(yaml.safe_dump(merged_configs(["configs/smollm2-sharegpt.yaml", "benchmarks/remote/concurrency.yaml"])))
+print(yaml.safe_dump(merged_configs(["configs/smollm2-sharegpt.yaml", sys.argv[1]])))
 PY
 python3 -m dflashpipe evaluate --config $C/config.yaml --drafter $C/drafter \
   --prompts /tmp/xfer/eval.parquet --out $C/concurrency.json --device cuda:0 > $C/evaluate.log 2>&1

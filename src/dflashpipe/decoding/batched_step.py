@@ -7,7 +7,7 @@ and the sizes they come in: prefill packs (`default_pack`, `pack_lengths`) and c
 from __future__ import annotations
 
 import inspect
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -146,13 +146,15 @@ def prefill_layer(
 
 
 def pack_forward(
-    m, ks: Sequence[Tensor], vs: Sequence[Tensor], pack: Tensor, taps: Sequence[int] = ()
-) -> tuple[Tensor, list[Tensor]]:
+    m, ks: Sequence[Tensor], vs: Sequence[Tensor], pack: Tensor, taps: Sequence[int] = (),
+    layer_fn: Callable = prefill_layer,
+) -> tuple[Tensor, list[Tensor]]:  # fmt: skip
     """A pack (4, T) of ids, cache rows, positions and prompt numbers through every layer of
     the engine's target `m` (its base, fused weights, RoPE tables and masks' windows: a
     BatchedEngine or a StaticTarget): each token's K/V written at (row, position) of the
     per-layer buffers ks / vs, attention within its own prompt only. The last layer's rows
-    (1, T, H) and the rows of the layers in `taps`, in that order."""
+    (1, T, H) and the rows of the layers in `taps`, in that order. `layer_fn`: prefill_layer
+    or a compiled copy of it."""
     ids, rows, pos, seg = pack
     x = m.base.embed_tokens(ids[None])  # (1, T, H)
     block = (seg[:, None] == seg[None]) & (pos[:, None] >= pos[None])  # (T, T): own prompt
@@ -160,8 +162,8 @@ def pack_forward(
     tapped = {}
     for i, layer in enumerate(m.base.layers):
         cos, sin = m.tables[m.rope_of[i]]
-        x = prefill_layer(layer, x, ks[i], vs[i], cos[pos], sin[pos], (rows, pos),
-                          masks[m.mask_of[i]], m.fused[i])  # fmt: skip
+        x = layer_fn(layer, x, ks[i], vs[i], cos[pos], sin[pos], (rows, pos),
+                     masks[m.mask_of[i]], m.fused[i])  # fmt: skip
         if i in taps:
             tapped[i] = x
     return x, [tapped[i] for i in taps]

@@ -8,8 +8,11 @@ serving engine batches its requests (evaluate.concurrency).
     refill        the queue's next prompts into the rows a step freed, as many to one forward
                   as fit a pack (batched_step.pack_forward, as regenerate's engine prefills:
                   each prompt attends to itself only, one CUDA graph per pack length, padding
-                  written to a scratch row): every layer's K/V at the rows' slots 0..P-1, the
-                  drafter's context where DFlash decodes, and each prompt's first token
+                  written to a scratch row; its layers compiled where the steps are, as an
+                  eager pack is bound by its kernel count: 4.3-6.2 ms a pack on an H100, about
+                  four target steps, benchmarks/RESULTS.md): every layer's K/V at the rows'
+                  slots 0..P-1, the drafter's context where DFlash decodes, and each prompt's
+                  first token
     greedy step   target([anchor_r] at slot T_r) for every row in one forward -> g_r
     dflash step   drafter: c blocks [anchor_r, MASK x B-1] in one forward -> drafts (c, B-1);
                   verify: target(c x B tokens) in one forward -> greedy (c, B); each row accepts
@@ -40,7 +43,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from dflashpipe.decoding.batched_step import default_pack, pack_forward, pack_lengths
+from dflashpipe.decoding.batched_step import default_pack, pack_forward, pack_lengths, prefill_layer
 from dflashpipe.decoding.engine import Engine
 from dflashpipe.decoding.families import (
     attend_cache,
@@ -242,6 +245,7 @@ class ConcurrentEngine:
             compiled(fn, on, dynamic) for fn in fns
         )
         self.context, self.chain = (compiled(fn, on, dynamic) for fn in (rows_context, rows_chain))
+        self.prefill = compiled(prefill_layer, on, None)  # pack lengths vary at every level
         long = {"dtype": torch.long, "device": self.device}
         self.length = torch.zeros(rows, **long)
         self.anchor = torch.zeros(rows, **long)
@@ -280,7 +284,8 @@ class ConcurrentEngine:
         prompt's first token (greedy at its last position, `last`) into `first`; with `taps`,
         the drafter's context of every prompt token."""
         t, d = self.engine.target, self.engine.drafter
-        x, tapped = pack_forward(t, self.k_all, self.v_all, pack, t.layer_ids if taps else ())
+        x, tapped = pack_forward(t, self.k_all, self.v_all, pack, t.layer_ids if taps else (),
+                                 self.prefill)  # fmt: skip
         logits, _ = target_outputs(t.base.norm, t.model.lm_head, x[0, self.last], [], t.softcap)
         self.first.copy_(logits.argmax(-1))
         if taps:
