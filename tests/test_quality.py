@@ -276,7 +276,10 @@ def test_the_concurrency_cell_is_the_recipe_at_four_loads():
     # the cut cell: the same loads and prompts, target-only and DFlash only
     cut = REPO / "benchmarks" / "remote" / "concurrency-dflash.yaml"
     small = Config.from_dict(quality.merged_configs([str(quality.RECIPE), str(cut)]))
-    assert (small.evaluate.concurrency, small.evaluate.methods) == ([1, 4, 16, 64], ["target", "dflash"])
+    assert (small.evaluate.concurrency, small.evaluate.methods) == (
+        [1, 4, 16, 64],
+        ["target", "dflash"],
+    )
     assert small.evaluate.num_prompts == recipe.evaluate.num_prompts
 
 
