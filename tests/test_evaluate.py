@@ -390,7 +390,7 @@ def test_concurrency_levels_decode_the_same_answers(tiny_target_dir, target_conf
     drafter_dir = _export(target_config, tmp_path / "drafter")
     ev = EvaluateConfig(num_prompts=10, max_new_tokens=8, prompt_lookup_num_tokens=3,
                         methods=["target", "dflash", "prompt_lookup"], concurrency=[2, 5],
-                        lossless_prompts=1)  # fmt: skip
+                        concurrency_waves=1, lossless_prompts=1)  # fmt: skip
     metrics = run(TargetConfig(model=str(tiny_target_dir)), drafter_dir, eval_table,
                   tmp_path / "m.json", ev, "cpu")  # fmt: skip
     figures = metrics["concurrency"]
@@ -398,6 +398,7 @@ def test_concurrency_levels_decode_the_same_answers(tiny_target_dir, target_conf
     for c, row in figures["levels"].items():
         assert set(row) == {"target", "dflash", "prompt_lookup"}, c
         assert all(r["same_as_one_at_a_time"] == 1.0 for r in row.values()), c
+        assert all(r["passes"] == 1 for r in row.values()), c  # waves 1: 5 rows hold 1 pass of 3
         assert row["target"]["speedup"] == 1.0 and row["dflash"]["tokens_per_s"] > 0
         assert row["dflash"]["acceptance_length"] == pytest.approx(metrics["acceptance_length"])
         ratio = row["dflash"]["tokens_per_s"] / row["target"]["tokens_per_s"]
@@ -428,6 +429,27 @@ def test_concurrency_levels_decode_the_same_answers(tiny_target_dir, target_conf
     assert [r.split(" | ")[0][2:] for r in rows] == ["1", "2", "5"]
     assert ("slower than target-only from concurrency" in text) == bool(below)
     assert under_load({k: v for k, v in metrics.items() if k != "concurrency"}, "img") == ""
+
+
+def test_a_load_level_queues_the_prompts_in_whole_passes(tiny_target_dir, target_config,
+                                                          eval_table, tmp_path):  # fmt: skip
+    """evaluate.concurrency_waves 3 at c = 2 over the 3 prompts: 6 fit, so every prompt is
+    decoded twice at that level (a steady state for a small prompt set) and once at c = 1; each
+    pass gives the per-prompt pass's answers in float32 and the same tau."""
+    drafter_dir = _export(target_config, tmp_path / "drafter")
+    ev = EvaluateConfig(num_prompts=10, max_new_tokens=8, methods=["target", "dflash"],
+                        concurrency=[2], concurrency_waves=3, lossless_prompts=1)  # fmt: skip
+    metrics = run(TargetConfig(model=str(tiny_target_dir)), drafter_dir, eval_table,
+                  tmp_path / "m.json", ev, "cpu")  # fmt: skip
+    levels = metrics["concurrency"]["levels"]
+    answered = sum(r["new_tokens"] for r in metrics["responses"])
+    for c, passes in (("1", 1), ("2", 2)):
+        for m, r in levels[c].items():
+            assert r["passes"] == passes and r["same_as_one_at_a_time"] == 1.0, (c, m)
+            assert round(r["tokens_per_s"] * r["wall_s"]) == passes * answered, (c, m)
+        assert levels[c]["dflash"]["acceptance_length"] == pytest.approx(
+            metrics["acceptance_length"]
+        )
 
 
 @pytest.mark.parametrize("levels", [[0], [10**9]])

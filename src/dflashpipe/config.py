@@ -446,6 +446,7 @@ class EvaluateConfig:
     lossless_prompts: int | None
     workers: int
     concurrency: list[int]
+    concurrency_waves: int
     methods: list[str]
     tree_nodes: list[int]
     tree_top_k: int

@@ -254,7 +254,9 @@ def decode_concurrent(
     model, drafter, prompts: list[tuple[dict, list[int]]], ev: EvaluateConfig, stop_ids: set[int]
 ) -> ConcurrencyRuns:
     """evaluate.concurrency's pass: where a level is above 1, every prompt decoded c at a time
-    for each level and for c = 1 (the curve's start, measured the same way), target-only, DFlash
+    (in as many whole passes as evaluate.concurrency_waves x c holds, at least one: a steady
+    state, not only a ramp and a tail) for each level and for c = 1 (the curve's start, measured the same way,
+    each prompt once), target-only, DFlash
     and prompt lookup (each source's best setting: `lookups_at_best`) on one static engine's
     models. Refused before any decoding where the target has no static engine or the largest
     level's buffers do not fit (naming the key). {} when every level is 1."""
@@ -279,16 +281,19 @@ def decode_concurrent(
     runs: ConcurrencyRuns = {}
     for c in levels:
         rows = ConcurrentEngine(engine, c)
+        # as many whole passes of the prompts as concurrency_waves x c holds (one row: no ramp)
+        passes = 1 if c == 1 else max(1, ev.concurrency_waves * c // len(ids))
         for m in methods[:2]:  # compiled and captured before any timing
             rows.prepare(m)
         runs[c] = {}
         for m in methods:
             if m == "prompt_lookup":
-                if lookups is None:  # from target-only's answers at c = 1, the first level
+                if lookups is None:  # from target-only's answers at c = 1 (one pass), the first
                     lookups = lookups_at_best(prompts, runs[c]["target"][0], ev, stop_ids)
                 rows.prepare(m, lookups)
-            out, wall = rows.decode(m, ids, n, stop_ids, lookups)
+            out, wall = rows.decode(m, ids * passes, n, stop_ids, lookups and lookups * passes)
             counts = {k: getattr(rows, k) for k in ("steps_run", "prefills", "prefill_s", "host_s")}
+            counts["passes"] = passes
             if m == "prompt_lookup":  # the setting each source's rows used
                 settings = zip(prompts, lookups, strict=True)
                 counts["settings"] = {row["source"]: cfg.name for (row, _), cfg in settings}
@@ -349,9 +354,10 @@ def concurrency_figures(runs: ConcurrencyRuns, one_at_a_time: dict[str, list[Dec
                 "prefills": k["prefills"],
                 "prefill_share": k["prefill_s"] / wall,
                 **({"settings": k["settings"]} if "settings" in k else {}),
+                "passes": k["passes"],
                 "same_as_one_at_a_time": _mean([
                     float(d.output_ids == ref.output_ids)
-                    for d, ref in zip(out, one_at_a_time.get(m, []), strict=False)
+                    for d, ref in zip(out, one_at_a_time.get(m, []) * k["passes"], strict=False)
                 ]),
             }
             for m, (out, wall, k) in by_method.items()
