@@ -5,8 +5,9 @@
 # a zstd tar of drafter/, or mon.sh DRAFTER=...'s parts of it) and the eval prompts (eval.parquet)
 # travel in a .remote/k* folder and land in /tmp/xfer; the recipe's evaluate with
 # benchmarks/remote/concurrency.yaml on top decodes them one at a time and c at a time per level.
-# /tmp/conc gets concurrency.json, evaluate.log and DONE (holding the exit status); copy them
-# into $OUT on a later call.
+# /tmp/conc gets concurrency.json, evaluate.log, cc.tar.zst (the compile bundles this machine
+# saved, evaluate's included: a few MB of zstd, for `pack.sh compile DIR` to carry next time) and
+# DONE (holding the exit status); copy them into $OUT on a later call.
 cd "$(dirname "$0")/../.." && . benchmarks/remote/setup.sh >/dev/null
 C=/tmp/conc; mkdir -p $C
 D=$(ls /tmp/xfer/drafter-*.tar.zst.[0-9]* 2>/dev/null || ls /tmp/xfer/drafter-*.tar.zst)  # parts or joined
@@ -19,4 +20,6 @@ print(yaml.safe_dump(merged_configs(["configs/smollm2-sharegpt.yaml", sys.argv[1
 PY
 python3 -m dflashpipe evaluate --config $C/config.yaml --drafter $C/drafter \
   --prompts /tmp/xfer/eval.parquet --out $C/concurrency.json --device cuda:0 > $C/evaluate.log 2>&1
-echo $? > $C/DONE
+status=$?
+(cd /tmp/cc && tar cf - *.torchcompile 2>/dev/null) | zst > $C/cc.tar.zst
+echo $status > $C/DONE
