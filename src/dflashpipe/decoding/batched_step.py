@@ -133,7 +133,7 @@ def prefill_layer(
     """One decoder layer over a pack x (1, T, H) of whole prompts at RoPE rows cos/sin (T, D) of
     their positions: token t's K/V written at (row, slot) = index[t] of the buffers (rows,
     Hkv, C, D), attention among the pack's tokens under its folded block-causal mask (a refilled
-    row has no prefix)."""
+    row has no prefix), SDPA's kernel where the layer is compiled too."""
     rows, slots = index
     q, k, v = layer_qkv(layer, x, fused)  # (1, T, Hq, D), (1, T, Hkv, D)
     q = rotate(q.transpose(1, 2), cos, sin)  # (1, Hq, T, D)
@@ -141,7 +141,7 @@ def prefill_layer(
     v = v.transpose(1, 2)  # (1, Hkv, T, D)
     k_cache[rows, :, slots] = k[0].transpose(0, 1)  # (T, Hkv, D)
     v_cache[rows, :, slots] = v[0].transpose(0, 1)
-    y = layer_attention(layer, q, k, v, mask)  # (1, Hq, T, D)
+    y = layer_attention(layer, q, k, v, mask, kernel=True)  # (1, Hq, T, D)
     return layer_out(layer, x, y.transpose(1, 2).flatten(2), fused)
 
 

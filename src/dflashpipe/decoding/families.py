@@ -197,7 +197,7 @@ def fold_mask(mask: Tensor, groups: int) -> Tensor:
 
 def attend_cache(
     q: Tensor, k: Tensor, v: Tensor, mask: Tensor, scale: float | None,
-    sinks: Tensor | None = None, softcap: float | None = None,
+    sinks: Tensor | None = None, softcap: float | None = None, kernel: bool = False,
 ) -> Tensor:  # fmt: skip
     """Attention of queries q (N, Hq, Q, D) over whole static buffers k, v (N, Hkv, L, D) under a
     folded mask (1 or N, 1, g*Q, L) -> (N, Hq, Q, D); N = 1 but in batched decoding (a sequence
@@ -212,11 +212,12 @@ def attend_cache(
     H200, SmolLM2 shape, bf16, torch 2.11 (benchmarks/RESULTS.md): compiled target-only step
     1.44 ms with these ops against 1.67 ms with cuDNN's SDPA kernel at 496 slots, 1.63 against
     2.30 ms at 2,048 slots (cuDNN's kernel takes ~45 us per layer call whatever the valid
-    length)."""
+    length). `kernel`: SDPA's kernel compiled too (a prefill pack's T x T attention, whose
+    scores in plain ops would be written and read again: g*T x T per KV head and layer)."""
     N, Hq, Q, D = q.shape
     Hkv = k.shape[1]
     fq = q.reshape(N, Hkv, Hq // Hkv * Q, D)
-    if torch.compiler.is_compiling() or sinks is not None or softcap is not None:
+    if (torch.compiler.is_compiling() and not kernel) or sinks is not None or softcap is not None:
         scores = (fq @ k.transpose(-1, -2)) * (D**-0.5 if scale is None else scale)
         if softcap is not None:
             scores = torch.tanh(scores / softcap) * softcap
@@ -305,13 +306,15 @@ def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return torch.cat([apply_rope(x[..., :r], cos, sin), x[..., r:]], -1)
 
 
-def layer_attention(layer: nn.Module, q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+def layer_attention(
+    layer: nn.Module, q: Tensor, k: Tensor, v: Tensor, mask: Tensor, kernel: bool = False
+) -> Tensor:
     """`attend_cache` with the layer's own scaling (Gemma 3: query_pre_attn_scalar), sink logits
-    (gpt-oss) and score soft-capping, where it has them."""
+    (gpt-oss) and score soft-capping, where it has them; `kernel` as there."""
     attn = layer.self_attn
     sinks = getattr(attn, "sinks", None)
     softcap = getattr(attn, "attn_logit_softcapping", None)
-    return attend_cache(q, k, v, mask, attn.scaling, sinks, softcap)
+    return attend_cache(q, k, v, mask, attn.scaling, sinks, softcap, kernel)
 
 
 def attention_extras(model: nn.Module) -> str:
