@@ -411,6 +411,28 @@ def test_compiled_concurrent_steps_decode_as_the_eager_ones_in_one_graph_per_ste
     assert graphs[1] > 0 and graphs[2] > 0 and graphs[3] == 0, graphs
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_graphed_concurrent_rows_decode_as_the_eager_ones(llama, drafter):
+    """evaluate.concurrency as a GPU runs it: steps and refill packs compiled (the packs' T x T
+    attention on SDPA's kernel) and captured, a graph per pack length, decode the eager rows'
+    tokens and acceptances (float32) at one row and at three (refills packed together)."""
+    from dflashpipe.decoding.concurrent import ConcurrentEngine
+
+    model = copy.deepcopy(llama).cuda()
+    d = make_drafter(model)
+    d.load_state_dict(drafter.state_dict())
+    d = d.cuda()
+    eager, graphed = Engine(model, MAX_LEN, d, graphs=False), Engine(model, MAX_LEN, d)
+    assert graphed.graphs and graphed.compiled and not eager.compiled
+    for rows in (1, 3):
+        for method in ("target", "dflash"):
+            want, got = (ConcurrentEngine(e, rows).decode(method, PROMPTS, NEW, set())[0]
+                         for e in (eager, graphed))  # fmt: skip
+            assert [r.output_ids for r in got] == [r.output_ids for r in want], (rows, method)
+            assert [r.accepted_lengths for r in got] == [r.accepted_lengths for r in want]
+
+
 def test_compiled_attention_equals_sdpa_under_a_folded_mask():
     """The compiled path's plain-op attention (families.attend_cache) against SDPA's, GQA
     folded, a causal-plus-prefix mask in which padding slots past the valid length stay hidden."""

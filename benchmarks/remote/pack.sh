@@ -19,6 +19,10 @@
 # `pack.sh compile DIR...`: the compile-cache bundles an earlier machine saved (mon.sh CC=1
 # returns them as DIR/cc.tar.zst, a few MB) into .remote/cc, carried beside a part or alone;
 # setup.sh unpacks them where DFLASHPIPE_COMPILE_CACHE points.
+# `pack.sh tests`: pytest and what it needs beyond the GPU machine's packages (this machine's
+# versions, about 1.7 MB) into .remote/t/whl, carried beside a part; setup.sh installs them, and
+# `python3 -m pytest -p no:xdist -o addopts= -q -m gpu tests/test_engine.py` runs the gpu-marked tests there
+# (no xdist on that machine: addopts emptied).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 R=${PACK_OUT:-.remote}   # PACK_OUT: another folder for the parts (the tests)
@@ -31,6 +35,12 @@ if [ "${1:-}" = gemma ]; then
   done
   sha256sum $G | cut -d' ' -f1 > $R/g1/gemma.gguf.sha256
   du -sh $R/g*; exit 0
+fi
+if [ "${1:-}" = tests ]; then
+  rm -rf $R/t && mkdir -p $R/t/whl
+  pins=$(python3 -c "from importlib.metadata import version as v; print(*[f'{p}=={v(p)}' for p in ('pytest', 'pluggy', 'iniconfig', 'pygments')])")
+  python3 -m pip download -q --no-deps -d $R/t/whl $pins
+  du -sh $R/t; exit 0
 fi
 if [ "${1:-}" = compile ]; then
   shift; rm -rf $R/cc && mkdir -p $R/cc; n=0

@@ -7,6 +7,9 @@ mkdir -p /tmp/site /tmp/xfer /tmp/res/smollm2 /tmp/res/sharegpt /tmp/res/humanev
 if [ -d .remote/a/whl ] && [ ! -f /tmp/site/.done ]; then
   python3 -m pip install -q --no-deps --no-index --target /tmp/site .remote/a/whl/*.whl && touch /tmp/site/.done
 fi
+if [ -d .remote/t/whl ] && [ ! -f /tmp/site/.tests ]; then  # pytest (pack.sh tests): the gpu tests
+  python3 -m pip install -q --no-deps --no-index --target /tmp/site .remote/t/whl/*.whl && touch /tmp/site/.tests
+fi
 [ -x /tmp/bin/python ] || { printf '#!/bin/sh\nexec python3 "$@"\n' > /tmp/bin/python; chmod +x /tmp/bin/python; }
 export PATH=/tmp/bin:/tmp/site/bin:$PATH PYTHONPATH=/tmp/site:$PWD/src
 # zstd as stream filters (no zstd binary there; the library comes with the carried wheels), for
