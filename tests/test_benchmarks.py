@@ -96,3 +96,30 @@ def test_codecs_benchmark_on_a_shard(tmp_path):
     assert v["e2m1 stochastic G32"]["rel_error"]["3"] > v["fp4-zstd G32"]["rel_error"]["3"]
     assert v["int4 G32"]["x_fp8"] < v["fp4-zstd G32"]["x_fp8"]  # a flatter code histogram
     assert {r["codec"] for r in res["runs"]} == {"raw", "bf16-zstd", "fp8-zstd", "fp4-zstd"}
+
+
+def test_lookup_host_benchmark_plans_every_rows_drafts():
+    """benchmarks/lookup_host.py drives the engine's own planning: after a step every busy row's
+    drafts (its proposer's, on its prompt + answer so far) are in the device input, counted."""
+    from types import SimpleNamespace
+
+    import numpy as np
+    import torch
+
+    from dflashpipe.decoding.lookup import PromptLookupProposer
+
+    bench = _script("lookup_host")
+    assert bench.measure(rows=3, steps=4, drafts=5, seed=1) > 0
+    # the planning step it times, on rows whose n-grams recur
+    device_input = torch.zeros(2, 6, dtype=torch.long)
+    engine = SimpleNamespace(
+        drafts={"lookup@5": device_input}, plans={"lookup@5": np.full((2, 6), 7)}
+    )
+    busy = {}
+    for r, (prompt, first) in enumerate([([1, 2, 3, 4, 5, 6, 1, 2], 3), ([9, 8, 9, 8], 9)]):
+        busy[r] = bench._Row(r, prompt, [first])
+        busy[r].proposer = PromptLookupProposer(5, 2, "earliest", "all")
+        busy[r].proposer.start(prompt, None)
+    bench.ConcurrentEngine._plan_lookups(engine, "lookup@5", busy)
+    want = [[5, 4, 5, 6, 1, 2], [2, 8, 9, 0, 0, 0]]  # [count, drafts..., padding (was 7)]
+    assert engine.drafts["lookup@5"].tolist() == want == engine.plans["lookup@5"].tolist()

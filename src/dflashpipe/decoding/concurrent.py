@@ -211,6 +211,14 @@ class _Row:
     accepted: list[int] = field(default_factory=list)
     drafted: list[int] = field(default_factory=list)
     proposer: PromptLookupProposer | None = None
+    tokens: list[int] = field(default_factory=list)  # prompt + out, kept for the proposer
+
+    def __post_init__(self) -> None:
+        self.tokens = self.prompt + self.out
+
+    def take(self, new: list[int]) -> None:
+        self.out += new
+        self.tokens += new
 
 
 class ConcurrentEngine:
@@ -254,7 +262,7 @@ class ConcurrentEngine:
         self.first = torch.zeros(rows, **long)  # a pack's: each prompt's first new token
         self.packed: dict[str, Tensor] = {}
         self.drafts: dict[str, Tensor] = {}  # lookup@K: (rows, K+1) [count, d_1..d_K]
-        self.plans: dict[str, Tensor] = {}  # their host copies (the drafted counts)
+        self.plans: dict[str, np.ndarray] = {}  # their host copies (the drafted counts)
         self.steps: dict[str, Callable[[], None]] = {}
         self._graphs: dict[str, torch.cuda.CUDAGraph] = {}
         self._packs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, Tensor]] = {}
@@ -401,7 +409,7 @@ class ConcurrentEngine:
             K = max(c.num_drafts for c in _settings(lookup, 1))
             kind, q = f"lookup@{K}", K + 1
             self.drafts.setdefault(kind, torch.zeros(self.rows, K + 1, **long))
-            self.plans.setdefault(kind, torch.zeros(self.rows, K + 1, dtype=torch.long))
+            self.plans.setdefault(kind, np.zeros((self.rows, K + 1), dtype=np.int64))
             step = lambda: self._lookup_step(kind)  # noqa: E731
         else:
             raise ValueError(f"no batched step for method {method!r} (DDTree runs at c = 1 only)")
@@ -514,7 +522,7 @@ class ConcurrentEngine:
                 row = busy[r]
                 count, *greedy = packed[r]
                 new = greedy[:count]
-                row.out += new
+                row.take(new)
                 if kind != "greedy":  # per verify step, as the c = 1 engine counts
                     row.accepted.append(len(new))
                     row.drafted.append(q - 1 if kind == "dflash" else int(self.plans[kind][r, 0]))
@@ -529,13 +537,14 @@ class ConcurrentEngine:
 
     def _plan_lookups(self, kind: str, busy: dict[int, _Row]) -> None:
         """Each busy row's host drafts (padded to K, with their count) into the step's input."""
-        K = self.drafts[kind].shape[1] - 1
-        plan = self.plans[kind].zero_()
+        plan = self.plans[kind]
+        K = plan.shape[1] - 1
+        plan.fill(0)
         for r, row in busy.items():
-            drafts = row.proposer.propose(row.prompt + row.out)[:K]
-            plan[r, 0] = len(drafts)
-            plan[r, 1 : 1 + len(drafts)] = torch.tensor(drafts, dtype=torch.long)
-        self.drafts[kind].copy_(plan)
+            drafts = row.proposer.propose(row.tokens)[:K]
+            plan[r, 0] = n = len(drafts)
+            plan[r, 1 : 1 + n] = drafts
+        self.drafts[kind].copy_(torch.from_numpy(plan))  # one host-to-device copy a step
 
 
 def _settings(lookup: Lookups, prompts: int) -> list[LookupConfig]:
