@@ -2,7 +2,8 @@
 prepare target-only's, DFlash's and prompt lookup's steps on a fresh ConcurrentEngine of that
 many rows, and the graphs Dynamo compiled for them, with `--shapes dynamic` (the engine's
 default: one graph per step function for every row count above 1) or `fixed` (one per row
-count). Real weights: a recipe's target and an exported drafter. Compiles on the CPU too (graphs there need a GPU), so it runs on the dev machine:
+count). Real weights: a recipe's target and an exported drafter. It compiles on the CPU too
+(graphs there need a GPU), so it runs on the dev machine:
 
     PYTHONPATH=src python benchmarks/concurrency_compile.py --config configs/smollm2-sharegpt.yaml \\
         --drafter DRAFTER_DIR --shapes fixed dynamic

@@ -21,5 +21,5 @@ PY
 python3 -m dflashpipe evaluate --config $C/config.yaml --drafter $C/drafter \
   --prompts /tmp/xfer/eval.parquet --out $C/concurrency.json --device cuda:0 > $C/evaluate.log 2>&1
 status=$?
-(cd /tmp/cc && tar cf - *.torchcompile 2>/dev/null) | zst > $C/cc.tar.zst
+bundles > $C/cc.tar.zst
 echo $status > $C/DONE

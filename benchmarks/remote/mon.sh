@@ -34,7 +34,7 @@ cat /tmp/q/*.out > $OUT/drivers.out 2>/dev/null
 if [ -n "${CC:-}" ] && ls /tmp/cc/*.torchcompile >/dev/null 2>&1; then  # CC=1: the compile bundles
   # in one zstd tar: they shrink about 29x (regenerate's 14.4 MB to 0.5 MB), under a returned
   # file's 16 MiB and a carry's 64 MiB together
-  (cd /tmp/cc && tar cf - *.torchcompile) | zst > $OUT/cc.tar.zst
+  bundles > $OUT/cc.tar.zst
   ls /tmp/cc/*.torchcompile | xargs -n1 basename; du -sh $OUT/cc.tar.zst
 fi
 if [ -n "${DRAFTER:-}" ] && [ -d /tmp/runs/quality-$DRAFTER/results/drafter ]; then

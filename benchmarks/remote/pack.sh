@@ -21,8 +21,8 @@
 # setup.sh unpacks them where DFLASHPIPE_COMPILE_CACHE points.
 # `pack.sh tests`: pytest and what it needs beyond the GPU machine's packages (this machine's
 # versions, about 1.7 MB) into .remote/t/whl, carried beside a part; setup.sh installs them, and
-# `python3 -m pytest -p no:xdist -o addopts= -q -m gpu tests/test_engine.py` runs the gpu-marked tests there
-# (no xdist on that machine: addopts emptied).
+# `python3 -m pytest -p no:xdist -o addopts= -q -m gpu tests/test_engine.py` runs the
+# gpu-marked tests there (no xdist on that machine: addopts emptied).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 R=${PACK_OUT:-.remote}   # PACK_OUT: another folder for the parts (the tests)

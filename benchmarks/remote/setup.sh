@@ -4,18 +4,20 @@
 # resources/; `python` runs python3.
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 mkdir -p /tmp/site /tmp/xfer /tmp/res/smollm2 /tmp/res/sharegpt /tmp/res/humaneval /tmp/res/code /tmp/bin
-if [ -d .remote/a/whl ] && [ ! -f /tmp/site/.done ]; then
-  python3 -m pip install -q --no-deps --no-index --target /tmp/site .remote/a/whl/*.whl && touch /tmp/site/.done
-fi
-if [ -d .remote/t/whl ] && [ ! -f /tmp/site/.tests ]; then  # pytest (pack.sh tests): the gpu tests
-  python3 -m pip install -q --no-deps --no-index --target /tmp/site .remote/t/whl/*.whl && touch /tmp/site/.tests
-fi
+for p in a t; do  # a: the workflow's wheels; t: pytest (pack.sh tests), for the gpu tests
+  if [ -d .remote/$p/whl ] && [ ! -f /tmp/site/.done-$p ]; then
+    python3 -m pip install -q --no-deps --no-index --target /tmp/site .remote/$p/whl/*.whl && touch /tmp/site/.done-$p
+  fi
+done
 [ -x /tmp/bin/python ] || { printf '#!/bin/sh\nexec python3 "$@"\n' > /tmp/bin/python; chmod +x /tmp/bin/python; }
 export PATH=/tmp/bin:/tmp/site/bin:$PATH PYTHONPATH=/tmp/site:$PWD/src
 # zstd as stream filters (no zstd binary there; the library comes with the carried wheels), for
-# this script and those that source it (mon.sh, concurrency.sh)
+# this script and those that source it (mon.sh, concurrency.sh); `bundles`: the compile bundles
+# this machine holds (/tmp/cc) as one zstd tar on stdout (about 29x smaller), for `pack.sh
+# compile` to carry to the next machine
 unzst() { python3 -c "import sys, zstandard; zstandard.ZstdDecompressor().copy_stream(sys.stdin.buffer, sys.stdout.buffer)"; }
 zst() { python3 -c "import sys, zstandard; zstandard.ZstdCompressor(level=9, threads=-1).copy_stream(sys.stdin.buffer, sys.stdout.buffer)"; }
+bundles() { (cd /tmp/cc && tar cf - *.torchcompile 2>/dev/null) | zst; }
 for d in .remote/a .remote/b .remote/k* .remote/g*; do [ -d $d ] && find $d -maxdepth 1 -type f -exec cp --update=none {} /tmp/xfer/ \;; done
 # torch.compile's bundles: an earlier machine's (pack.sh compile) loaded, this machine's saved here
 export DFLASHPIPE_COMPILE_CACHE=/tmp/cc

@@ -257,8 +257,9 @@ def decode_concurrent(
     (in as many whole passes as evaluate.concurrency_waves x c holds, at least one: a steady
     state, not only a ramp and a tail) for each level and for c = 1 (the curve's start,
     measured the same way, each prompt once), target-only, DFlash and prompt lookup (each
-    source's best setting: `lookups_at_best`) on one static engine's models. Refused before any decoding where the target has no static engine or the largest
-    level's buffers do not fit (naming the key). {} when every level is 1."""
+    source's best setting: `lookups_at_best`) on one static engine's models. Refused before any
+    decoding where the target has no static engine or the largest level's buffers do not fit
+    (naming the key). {} when every level is 1."""
     levels = sorted({1, *ev.concurrency})
     if levels == [1]:
         return {}

@@ -211,7 +211,7 @@ class _Row:
     accepted: list[int] = field(default_factory=list)
     drafted: list[int] = field(default_factory=list)
     proposer: PromptLookupProposer | None = None
-    tokens: list[int] = field(default_factory=list)  # prompt + out, kept for the proposer
+    tokens: list[int] = field(init=False)  # prompt + out, kept for the proposer
 
     def __post_init__(self) -> None:
         self.tokens = self.prompt + self.out
