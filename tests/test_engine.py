@@ -396,19 +396,25 @@ def test_compiled_concurrent_steps_decode_as_the_eager_ones_in_one_graph_per_ste
     for 2 (dynamic rows), so a level costs no compile of its own."""
     from torch._dynamo.utils import counters
 
-    from dflashpipe.decoding.concurrent import ConcurrentEngine
-
     eager, compiled = Engine(llama, MAX_LEN, drafter), Engine(llama, MAX_LEN, drafter, compile=True)
     graphs = {}
     for rows in (1, 2, 3):
         before = counters["stats"]["unique_graphs"]
-        for method in ("target", "dflash"):
-            want, got = (ConcurrentEngine(e, rows).decode(method, PROMPTS, NEW, set())[0]
-                         for e in (eager, compiled))  # fmt: skip
-            assert [d.output_ids for d in got] == [d.output_ids for d in want], (rows, method)
-            assert [d.accepted_lengths for d in got] == [d.accepted_lengths for d in want]
+        _concurrent_rows_match(eager, compiled, rows)
         graphs[rows] = counters["stats"]["unique_graphs"] - before
     assert graphs[1] > 0 and graphs[2] > 0 and graphs[3] == 0, graphs
+
+
+def _concurrent_rows_match(eager: Engine, other: Engine, rows: int) -> None:
+    """target-only and DFlash `rows` at a time on `other`'s steps give `eager`'s tokens and
+    acceptances."""
+    from dflashpipe.decoding.concurrent import ConcurrentEngine
+
+    for method in ("target", "dflash"):
+        want, got = (ConcurrentEngine(e, rows).decode(method, PROMPTS, NEW, set())[0]
+                     for e in (eager, other))  # fmt: skip
+        assert [d.output_ids for d in got] == [d.output_ids for d in want], (rows, method)
+        assert [d.accepted_lengths for d in got] == [d.accepted_lengths for d in want]
 
 
 @pytest.mark.gpu
@@ -417,8 +423,6 @@ def test_graphed_concurrent_rows_decode_as_the_eager_ones(llama, drafter):
     """evaluate.concurrency as a GPU runs it: steps and refill packs compiled (the packs' T x T
     attention on SDPA's kernel) and captured, a graph per pack length, decode the eager rows'
     tokens and acceptances (float32) at one row and at three (refills packed together)."""
-    from dflashpipe.decoding.concurrent import ConcurrentEngine
-
     model = copy.deepcopy(llama).cuda()
     d = make_drafter(model)
     d.load_state_dict(drafter.state_dict())
@@ -426,11 +430,7 @@ def test_graphed_concurrent_rows_decode_as_the_eager_ones(llama, drafter):
     eager, graphed = Engine(model, MAX_LEN, d, graphs=False), Engine(model, MAX_LEN, d)
     assert graphed.graphs and graphed.compiled and not eager.compiled
     for rows in (1, 3):
-        for method in ("target", "dflash"):
-            want, got = (ConcurrentEngine(e, rows).decode(method, PROMPTS, NEW, set())[0]
-                         for e in (eager, graphed))  # fmt: skip
-            assert [r.output_ids for r in got] == [r.output_ids for r in want], (rows, method)
-            assert [r.accepted_lengths for r in got] == [r.accepted_lengths for r in want]
+        _concurrent_rows_match(eager, graphed, rows)
 
 
 def test_compiled_attention_equals_sdpa_under_a_folded_mask():
