@@ -27,6 +27,7 @@ input so Snakemake starts at extract. A mismatch is reported and the run regener
 from __future__ import annotations
 
 import argparse
+import errno
 import hashlib
 import io
 import json
@@ -153,10 +154,24 @@ def prepare(runs: Path, variant: str, extra_configs: list[str]) -> tuple[Path, l
         if not src.is_dir():
             sys.exit(f"variant {variant} reuses {src}, which does not exist: run `{came_from}` "
                      "first")  # fmt: skip
-        if not dst.exists():
-            shutil.copytree(src, dst, copy_function=os.link)  # hard links keep the mtimes
+        if not dst.exists():  # a half-made copy is never taken for a whole one
+            part = dst.with_name(dst.name + ".part")
+            shutil.rmtree(part, ignore_errors=True)
+            shutil.copytree(src, part, copy_function=link_or_copy)
+            part.rename(dst)
     configs = [recipe(variant), *stack(variant), *map(Path, extra_configs)]
     return work, [str(p.resolve()) for p in configs]
+
+
+def link_or_copy(src: str, dst: str) -> None:
+    """A hard link (it keeps the mtime, so Snakemake sees the reused stage as done), or a copy
+    with its mtime where `dst` is on another file system (a run directory on a RAM disk)."""
+    try:
+        os.link(src, dst)
+    except OSError as err:
+        if err.errno != errno.EXDEV:
+            raise
+        shutil.copy2(src, dst)
 
 
 def merged(base: dict, over: dict) -> dict:

@@ -4,6 +4,7 @@ overlays) runs end to end on the tiny target (SmolLM2's tokenizer, 3 layers: the
 test, not the model; the real SmolLM2 runs in test_workflow), a variant reuses the main run's
 finished stages instead of redoing them, and the summary table reports both."""
 
+import errno
 import importlib.util
 import json
 import os
@@ -418,3 +419,39 @@ def test_a_variant_reuses_the_results_of_the_run_its_from_line_names(tmp_path):
     # the sources are the recipe's but for their limits, so the eval prompts are the recipe's
     strip = [{**s.__dict__, "limit": None} for s in cfg.prompts.sources]
     assert strip == [s.__dict__ for s in recipe.prompts.sources]
+
+
+def test_a_run_on_another_file_system_copies_the_reused_folders_with_their_mtimes(
+    tmp_path, monkeypatch
+):
+    # x4-sampled-b's run directory is a link to a RAM disk: hard links to main's prompts fail
+    # there with EXDEV (the GPU machine, 2026-12-06), and the half-made folder then looked done
+    quality = _load_quality()
+    runs = tmp_path / "runs"
+    prompts = runs / "quality-main" / "results" / "prompts"
+    prompts.mkdir(parents=True)
+    (prompts / "train.parquet").write_bytes(b"rows")
+    os.utime(prompts / "train.parquet", (1_000_000, 1_000_000))
+    (runs / "quality-x4-sampled-b" / "results" / "prompts.part").mkdir(parents=True)
+    (runs / "quality-x4-sampled-b" / "results" / "prompts.part" / "stale").write_text("x")
+    real_link = os.link
+
+    def cross_device(src, dst):
+        if "quality-main" in str(src):
+            raise OSError(errno.EXDEV, "Invalid cross-device link", src)
+        real_link(src, dst)
+
+    monkeypatch.setattr(quality.os, "link", cross_device)
+    work, _ = quality.prepare(runs, "x4-sampled-b", [])
+    copy = work / "results" / "prompts" / "train.parquet"
+    assert copy.read_bytes() == b"rows" and copy.stat().st_mtime == 1_000_000
+    assert copy.stat().st_ino != (prompts / "train.parquet").stat().st_ino
+    assert sorted(p.name for p in (work / "results").iterdir()) == ["prompts"]
+    def denied(src, dst):
+        raise OSError(errno.EACCES, "denied", src)
+
+    monkeypatch.setattr(quality.os, "link", denied)
+    (work / "results" / "prompts").rename(work / "results" / "gone")
+    with pytest.raises(OSError, match="denied"):  # other errors are not swallowed
+        quality.prepare(runs, "x4-sampled-b", [])
+    assert not (work / "results" / "prompts").exists()  # and leave no whole-looking folder
