@@ -282,6 +282,11 @@ def test_the_concurrency_cell_is_the_recipe_at_four_loads():
         ["target", "dflash"],
     )
     assert small.evaluate.num_prompts == recipe.evaluate.num_prompts
+    # its A/B: the same cut cell with the refills apart
+    apart = REPO / "benchmarks" / "remote" / "concurrency-pack.yaml"
+    ab = Config.from_dict(quality.merged_configs([str(quality.RECIPE), str(cut), str(apart)]))
+    assert (small.evaluate.concurrency_refill, ab.evaluate.concurrency_refill) == ("step", "pack")
+    assert {**ab.raw["evaluate"], "concurrency_refill": "step"} == small.raw["evaluate"]
 
 
 def test_the_4x_cell_with_the_concurrency_cell_on_top_evaluates_every_method_at_load(tmp_path):
@@ -305,6 +310,15 @@ def test_the_4x_cell_with_the_concurrency_cell_on_top_evaluates_every_method_at_
     assert cfg.evaluate.concurrency == [1, 4, 16, 64] and not cfg.evaluate.lossless_check
     assert set(cfg.evaluate.methods) == {"target", "dflash", "prompt_lookup", "ddtree"}
     assert cfg.evaluate.tree_nodes == [16, 32]
+    # x4-epochs6: x4's data and everything else, twice the epochs
+    _, more = quality.prepare(runs, "x4-epochs6", [str(p) for p in extra])
+    assert [Path(c).stem for c in more] == ["smollm2-sharegpt", "tau-only", "x4", "x4-epochs6",
+                                            "fp4", "concurrency"]  # fmt: skip
+    longer = quality.merged_configs(more)
+    assert longer["train"].pop("epochs") == 6 and cfg.train.epochs == 3
+    shorter = quality.merged_configs(configs)
+    shorter["train"].pop("epochs")
+    assert longer == shorter
 
 
 def test_pack_sh_puts_kept_answers_in_the_fewest_carries(tmp_path):
@@ -447,6 +461,7 @@ def test_a_run_on_another_file_system_copies_the_reused_folders_with_their_mtime
     assert copy.read_bytes() == b"rows" and copy.stat().st_mtime == 1_000_000
     assert copy.stat().st_ino != (prompts / "train.parquet").stat().st_ino
     assert sorted(p.name for p in (work / "results").iterdir()) == ["prompts"]
+
     def denied(src, dst):
         raise OSError(errno.EACCES, "denied", src)
 
