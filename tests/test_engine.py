@@ -405,14 +405,14 @@ def test_compiled_concurrent_steps_decode_as_the_eager_ones_in_one_graph_per_ste
     assert graphs[1] > 0 and graphs[2] > 0 and graphs[3] == 0, graphs
 
 
-def _concurrent_rows_match(eager: Engine, other: Engine, rows: int) -> None:
+def _concurrent_rows_match(eager: Engine, other: Engine, rows: int, refill: str = "step") -> None:
     """target-only and DFlash `rows` at a time on `other`'s steps give `eager`'s tokens and
-    acceptances."""
+    acceptances (`refill` on `other`; the eager rows refill in their steps)."""
     from dflashpipe.decoding.concurrent import ConcurrentEngine
 
     for method in ("target", "dflash"):
-        want, got = (ConcurrentEngine(e, rows).decode(method, PROMPTS, NEW, set())[0]
-                     for e in (eager, other))  # fmt: skip
+        want, got = (ConcurrentEngine(e, rows, refill=r).decode(method, PROMPTS, NEW, set())[0]
+                     for e, r in ((eager, "step"), (other, refill)))  # fmt: skip
         assert [d.output_ids for d in got] == [d.output_ids for d in want], (rows, method)
         assert [d.accepted_lengths for d in got] == [d.accepted_lengths for d in want]
 
@@ -421,8 +421,9 @@ def _concurrent_rows_match(eager: Engine, other: Engine, rows: int) -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_graphed_concurrent_rows_decode_as_the_eager_ones(llama, drafter):
     """evaluate.concurrency as a GPU runs it: steps and refill packs compiled (the packs' T x T
-    attention on SDPA's kernel) and captured, a graph per pack length, decode the eager rows'
-    tokens and acceptances (float32) at one row and at three (refills packed together)."""
+    attention on SDPA's kernel) and captured, a graph per pack length (and step kind, where the
+    steps carry the refills), decode the eager rows' tokens and acceptances (float32) at one row
+    and at three (refills packed together), with either refill."""
     model = copy.deepcopy(llama).cuda()
     d = make_drafter(model)
     d.load_state_dict(drafter.state_dict())
@@ -430,7 +431,8 @@ def test_graphed_concurrent_rows_decode_as_the_eager_ones(llama, drafter):
     eager, graphed = Engine(model, MAX_LEN, d, graphs=False), Engine(model, MAX_LEN, d)
     assert graphed.graphs and graphed.compiled and not eager.compiled
     for rows in (1, 3):
-        _concurrent_rows_match(eager, graphed, rows)
+        for refill in ("step", "pack"):
+            _concurrent_rows_match(eager, graphed, rows, refill)
 
 
 def test_compiled_attention_equals_sdpa_under_a_folded_mask():

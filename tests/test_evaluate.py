@@ -407,9 +407,8 @@ def test_concurrency_levels_decode_the_same_answers(tiny_target_dir, target_conf
         # rows advance together: a level's steps are at least its longest answer's
         assert row["target"]["steps"] >= max(r["new_tokens"] for r in metrics["responses"]) - 1
         assert row["dflash"]["steps"] <= row["target"]["steps"]  # a block gives >= 1 token
-        for r in row.values():  # where the wall time went: refills, host work, steps
-            assert 1 <= r["prefills"] <= 3 and 0 < r["prefill_share"] < 1
-            # refills and host work measured apart: together less than the wall time
+        for r in row.values():  # where the wall time went: refills (in the steps), host work
+            assert 1 <= r["prefills"] <= 3 and r["refill"] == "step" and r["prefill_share"] == 0
             assert r["host_ms_per_step"] > 0 and r["step_ms"] > 0
         if int(c) >= 3:  # rows for every prompt: one refill pack holds them all
             assert all(r["prefills"] == 1 for r in row.values()), c
@@ -428,6 +427,11 @@ def test_concurrency_levels_decode_the_same_answers(tiny_target_dir, target_conf
     rows = [line for line in text.splitlines() if line.startswith("| ") and line[2].isdigit()]
     assert [r.split(" | ")[0][2:] for r in rows] == ["1", "2", "5"]
     assert ("slower than target-only from concurrency" in text) == bool(below)
+    assert all(r.split(" | ")[6].endswith("packs, in steps") for r in rows)
+    for row in figures["levels"].values():  # refills apart (concurrency_refill: pack): a share
+        row["dflash"].update(refill="pack", prefill_share=0.25)
+    assert all(r.split(" | ")[6] == "25%" for r in under_load(metrics, "img").splitlines()
+               if r.startswith("| ") and r[2].isdigit())  # fmt: skip
     assert under_load({k: v for k, v in metrics.items() if k != "concurrency"}, "img") == ""
 
 

@@ -222,12 +222,13 @@ def test_engine_equals_the_eager_loop(target, prompts, reference, drafter):
     assert max(accepted) > 1  # whole verified blocks were accepted, not only bonus tokens
 
 
-@pytest.mark.parametrize("rows", [2, 8])
-def test_concurrent_rows_equal_one_at_a_time(target, prompts, reference, drafter, rows):
+@pytest.mark.parametrize(("rows", "refill"), [(2, "step"), (8, "step"), (2, "pack")])
+def test_concurrent_rows_equal_one_at_a_time(target, prompts, reference, drafter, rows, refill):
     """evaluate.concurrency's engine: the 5 prompts decoded `rows` at a time (2: rows refilled
     as answers end at different steps; 8: more rows than prompts, 3 idle) give, per prompt, the
     tokens of target-only greedy decoding and the c = 1 engine's acceptances, for target-only,
-    DFlash and prompt lookup, in float32."""
+    DFlash and prompt lookup, in float32; refilled in the steps' own forwards (a refilled row
+    idles in the step that prefills it) or in forwards of their own."""
     model, tok = target
     stops = {tok.eos_token_id}
     lookup = LookupConfig(num_drafts=3, max_ngram_size=1)
@@ -235,7 +236,7 @@ def test_concurrent_rows_equal_one_at_a_time(target, prompts, reference, drafter
     one = {"dflash": [engine.dflash(ids, NEW, stops) for ids in prompts],
            "prompt_lookup": [engine.lookup(ids, NEW, stops, PromptLookupProposer(3, 1))
                              for ids in prompts]}  # fmt: skip
-    concurrent = ConcurrentEngine(engine, rows)
+    concurrent = ConcurrentEngine(engine, rows, refill=refill)
     steps = {}
     for method in ("target", "dflash", "prompt_lookup"):
         got, wall = concurrent.decode(method, prompts, NEW, stops, lookup)
@@ -247,7 +248,32 @@ def test_concurrent_rows_equal_one_at_a_time(target, prompts, reference, drafter
             steps[method] = {len(d.accepted_lengths) for d in got}
         if rows >= len(prompts):  # every prompt prefilled in one pack
             assert concurrent.prefills == 1, method
+        assert (concurrent.prefill_s > 0) == (refill == "pack")  # apart, or in the steps
     assert len(steps["dflash"]) > 1  # rows finished at different steps
+    with pytest.raises(ValueError, match="refill 'mixed': one of step, pack"):
+        ConcurrentEngine(engine, rows, refill="mixed")
+
+
+@pytest.mark.parametrize("refill", ["step", "pack"])
+def test_refilled_rows_hold_the_prompts_caches(target, prompts, drafter, refill):
+    """A refill writes each prompt's target K/V and drafter context at slots 0..P-1 of its row
+    as the c = 1 engine's prefill does (float32), whether it rides in a step, in which the
+    refilled rows idle and their idle writes land at those slots first, or runs apart. The
+    test's drafter drafts the same whatever its context, so its tokens alone would not tell."""
+    model, _ = target
+    engine = Engine(model, MAX_LEN, drafter)
+    want = []
+    for ids in prompts:
+        engine._prefill(ids, taps=True)
+        P = len(ids)
+        want.append((engine.target.kv[:, 0, :, :P].clone(), engine.drafter.kv[:, 0, :, :P].clone()))
+    concurrent = ConcurrentEngine(engine, len(prompts), refill=refill)
+    concurrent.decode("dflash", prompts, 2, set())  # prompt i in row i, one verify step each
+    kv = torch.stack([*concurrent.k_all, *concurrent.v_all])
+    for i, (ids, (target_kv, context)) in enumerate(zip(prompts, want, strict=True)):
+        P = len(ids)
+        torch.testing.assert_close(kv[:, i, :, :P], target_kv, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(concurrent.dkv[:, i, :, :P], context, rtol=1e-4, atol=1e-5)
 
 
 def test_a_tree_verify_gives_the_hf_logits_of_each_path(target, prompts):

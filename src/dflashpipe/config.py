@@ -447,6 +447,7 @@ class EvaluateConfig:
     workers: int
     concurrency: list[int]
     concurrency_waves: int
+    concurrency_refill: str
     methods: list[str]
     tree_nodes: list[int]
     tree_top_k: int

@@ -280,7 +280,7 @@ def decode_concurrent(
     ids, lookups = [p for _, p in prompts], None
     runs: ConcurrencyRuns = {}
     for c in levels:
-        rows = ConcurrentEngine(engine, c)
+        rows = ConcurrentEngine(engine, c, refill=ev.concurrency_refill)
         # as many whole passes of the prompts as concurrency_waves x c holds (one row: no ramp)
         passes = 1 if c == 1 else max(1, ev.concurrency_waves * c // len(ids))
         for m in methods[:2]:  # compiled and captured before any timing
@@ -293,20 +293,27 @@ def decode_concurrent(
                 rows.prepare(m, lookups)
             out, wall = rows.decode(m, ids * passes, n, stop_ids, lookups and lookups * passes)
             counts = {k: getattr(rows, k) for k in ("steps_run", "prefills", "prefill_s", "host_s")}
-            counts["passes"] = passes
+            counts["passes"], counts["refill"] = passes, rows.refill
             if m == "prompt_lookup":  # the setting each source's rows used
                 settings = zip(prompts, lookups, strict=True)
                 counts["settings"] = {row["source"]: cfg.name for (row, _), cfg in settings}
             runs[c][m] = out, wall, counts
         log.info("concurrency %d: %s", c, ", ".join(
             f"{m} {sum(len(d.output_ids) for d in out) / wall:.1f} tok/s ({k['steps_run']} steps,"
-            f" {k['prefills']} refill packs = {k['prefill_s'] / wall:.0%} of {wall:.1f} s, host "
+            f" {k['prefills']} refill packs {_refill_note(k, wall)}, host "
             f"{1e3 * k['host_s'] / max(k['steps_run'], 1):.2f} ms/step)"
             for m, (out, wall, k) in runs[c].items()))  # fmt: skip
         del rows
         if model.device.type == "cuda":
             torch.cuda.empty_cache()
     return runs
+
+
+def _refill_note(counts: dict, wall: float) -> str:
+    """Where a level's refill packs ran, for its log line."""
+    if counts["refill"] == "step":
+        return f"in its steps, {wall:.1f} s"
+    return f"= {counts['prefill_s'] / wall:.0%} of {wall:.1f} s"
 
 
 def lookups_at_best(
@@ -329,7 +336,8 @@ def concurrency_figures(runs: ConcurrencyRuns, one_at_a_time: dict[str, list[Dec
     share of responses equal to the per-prompt pass's in the run dtype (1.0 in float32; bf16
     may flip near-ties where the batch changes the rounding); the lowest level where DFlash is
     slower than target-only (None: not reached up to the largest). Where the wall time went:
-    refills (`prefill_share`, `prefills` packs), host work between steps while the device idles
+    refills (`prefills` packs; `prefill_share` where they run apart, `refill` "pack"; 0 where
+    they ride in the steps), host work between steps while the device idles
     (`host_ms_per_step`), and the rest per step (`step_ms`: the step's device work, its launch
     and read-back); `step_cost` is step_ms over target-only's at that level. Prompt lookup's
     `settings`: the one each source's prompts used."""
@@ -353,6 +361,7 @@ def concurrency_figures(runs: ConcurrencyRuns, one_at_a_time: dict[str, list[Dec
                 "host_ms_per_step": host_ms[m],
                 "prefills": k["prefills"],
                 "prefill_share": k["prefill_s"] / wall,
+                "refill": k["refill"],
                 **({"settings": k["settings"]} if "settings" in k else {}),
                 "passes": k["passes"],
                 "same_as_one_at_a_time": _mean([

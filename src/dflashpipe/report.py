@@ -130,6 +130,14 @@ def plot_concurrency(evaluation: dict, dest: Path) -> None:
     _save(fig, dest)
 
 
+def _refills(row: dict) -> str:
+    """A level's refills for the table: their share of the time where they run apart, else
+    how many steps carried a pack (evaluate.concurrency_refill)."""
+    if row.get("refill", "pack") == "pack":
+        return f"{row['prefill_share']:.0%}"
+    return f"{row['prefills']} packs, in steps"
+
+
 def under_load(evaluation: dict, img: str) -> str:
     """The concurrency table and where DFlash stops paying; '' without levels above 1."""
     figures = evaluation.get("concurrency")
@@ -145,7 +153,7 @@ def under_load(evaluation: dict, img: str) -> str:
         t, d = levels[c]["target"], levels[c]["dflash"]
         row = (f"| {c} | {t['tokens_per_s']:.1f} | {d['tokens_per_s']:.1f} | {d['speedup']:.2f}x | "
                f"{_fmt(d['acceptance_length'])} | {d['step_cost']:.2f} | "
-               f"{d['prefill_share']:.0%} |")  # fmt: skip
+               f"{_refills(d)} |")  # fmt: skip
         lines.append(row + (f" {levels[c]['prompt_lookup']['speedup']:.2f}x |" if lookup else ""))
     below = figures["dflash_below_target_at"]
     verdict = (f"DFlash is slower than target-only from concurrency {below}" if below
@@ -153,8 +161,8 @@ def under_load(evaluation: dict, img: str) -> str:
     table = "\n".join(lines)
     return f"""## Under load (evaluate.concurrency)
 The prompts decoded c at a time with continuous refill; tok/s counts every generated token over
-the wall time, prefills included. A DFlash step's cost is its time (without refills and host
-work) in target-only steps of the same level. {verdict}.
+the wall time, prefills included. A DFlash step's cost is its time (without host work, and
+without refills where they run apart) in target-only steps of the same level. {verdict}.
 
 {table}
 

@@ -145,6 +145,14 @@ def prefill_layer(
     return layer_out(layer, x, y.transpose(1, 2).flatten(2), fused)
 
 
+def pack_masks(pack: Tensor, windows: Sequence[int | None], groups: int) -> list[Tensor]:
+    """A pack's (4, T) folded masks (groups x T, T), one per entry of `windows`: each token sees
+    its own prompt's tokens up to its position (within the window)."""
+    _, _, pos, seg = pack
+    block = (seg[:, None] == seg[None]) & (pos[:, None] >= pos[None])  # (T, T): own prompt
+    return [fold_mask(windowed(block, pos, pos, w), groups) for w in windows]
+
+
 def pack_forward(
     m, ks: Sequence[Tensor], vs: Sequence[Tensor], pack: Tensor, taps: Sequence[int] = (),
     layer_fn: Callable = prefill_layer,
@@ -155,10 +163,9 @@ def pack_forward(
     per-layer buffers ks / vs, attention within its own prompt only. The last layer's rows
     (1, T, H) and the rows of the layers in `taps`, in that order. `layer_fn`: prefill_layer
     or a compiled copy of it."""
-    ids, rows, pos, seg = pack
+    ids, rows, pos, _ = pack
     x = m.base.embed_tokens(ids[None])  # (1, T, H)
-    block = (seg[:, None] == seg[None]) & (pos[:, None] >= pos[None])  # (T, T): own prompt
-    masks = [fold_mask(windowed(block, pos, pos, w), m.groups) for w in m.windows]
+    masks = pack_masks(pack, m.windows, m.groups)
     tapped = {}
     for i, layer in enumerate(m.base.layers):
         cos, sin = m.tables[m.rope_of[i]]

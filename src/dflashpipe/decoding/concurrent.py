@@ -5,20 +5,25 @@ serving engine batches its requests (evaluate.concurrency).
                   context rows; a row holds one prompt at a time and takes the next from the
                   queue when its answer ends (continuous batching), so rows never wait for
                   each other's acceptance
-    refill        the queue's next prompts into the rows a step freed, as many to one forward
-                  as fit a pack (batched_step.pack_forward, as regenerate's engine prefills:
-                  each prompt attends to itself only, one CUDA graph per pack length, padding
-                  written to a scratch row; its layers compiled where the steps are, as an
-                  eager pack is bound by its kernel count: 4.3-6.2 ms a pack on an H100, about
-                  four target steps, benchmarks/RESULTS.md): every layer's K/V at the rows'
-                  slots 0..P-1, the drafter's context where DFlash decodes, and each prompt's
-                  first token
+    refill        the queue's next prompts into the rows a step freed, as many to one pack
+                  as fit (4, T) (batched_step: each prompt attends to itself only): every
+                  layer's K/V at the rows' slots 0..P-1, the drafter's context where DFlash
+                  decodes, and each prompt's first token. refill "step" (the default, as
+                  serving engines mix prefill into their decode batches): the pack rides in the
+                  next step's forward, its tokens in the same matmuls as the busy rows'
+                  (`mixed_layer`; a graph per step kind and pack length), and its rows idle in
+                  that step and join after it. refill "pack": a forward of its own between
+                  steps (one CUDA graph per pack length, padding written to a scratch row),
+                  which costs two target steps or more whatever it holds (compiled: 2.1-2.7 ms
+                  on an H100, benchmarks/RESULTS.md), a share of the wall time that grows as
+                  batching cheapens the steps
     greedy step   target([anchor_r] at slot T_r) for every row in one forward -> g_r
     dflash step   drafter: c blocks [anchor_r, MASK x B-1] in one forward -> drafts (c, B-1);
                   verify: target(c x B tokens) in one forward -> greedy (c, B); each row accepts
                   its own matched prefix n_r and advances T_r by n_r + 1
     lookup step   the host's drafts per row (padded to K, with their counts), verified as above
-    read back     (c, Q+1): [n_r + 1, g_r0..g_rQ-1] per row, one tensor per step
+    read back     (c, Q+1): [n_r + 1, g_r0..g_rQ-1] per row, one tensor per step ([1, its
+                  first token] for a row the step refilled)
 
 Every row's position is its slot (a row's own cache starts at 0), so a step's mask is the row's
 slots up to each query's own (`cols <= slots`): the committed prefix and the chain before it.
@@ -34,6 +39,7 @@ batched: evaluate measures it at c = 1 only.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -43,7 +49,13 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from dflashpipe.decoding.batched_step import default_pack, pack_forward, pack_lengths, prefill_layer
+from dflashpipe.decoding.batched_step import (
+    default_pack,
+    pack_forward,
+    pack_lengths,
+    pack_masks,
+    prefill_layer,
+)
 from dflashpipe.decoding.engine import Engine
 from dflashpipe.decoding.families import (
     attend_cache,
@@ -68,6 +80,9 @@ from dflashpipe.model import Drafter, apply_rope
 
 # prompt lookup's setting: one for every prompt, or one per prompt (evaluate: each source's best)
 Lookups = LookupConfig | Sequence[LookupConfig] | None
+# how freed rows take the queue's next prompts: in the next step's forward ("step") or in a
+# forward of their own between steps ("pack")
+REFILLS = ("step", "pack")
 
 
 def rows_inputs(
@@ -98,6 +113,38 @@ def rows_layer(
     v_cache[rows, :, slots] = v
     y = layer_attention(layer, rotate(q, cos, sin).transpose(1, 2), k_cache, v_cache, mask)
     return layer_out(layer, x, y.transpose(1, 2).flatten(2), fused)
+
+
+def mixed_layer(
+    layer: nn.Module, x: Tensor, k_cache: Tensor, v_cache: Tensor, cos: Tensor, sin: Tensor,
+    index: tuple[Tensor, Tensor], mask: Tensor, pack_rope: tuple[Tensor, Tensor],
+    pack_index: tuple[Tensor, Tensor], pack_mask: Tensor, fused: tuple,
+) -> Tensor:  # fmt: skip
+    """`rows_layer` and `prefill_layer` through one pass of the layer's matmuls: x (N*Q + T, H)
+    is the rows' Q tokens each, flattened, then a refill pack's T tokens (a step that refills,
+    as a serving engine mixes prefill into its decode batch). The rows' K/V go to the rows'
+    slots of the buffers (rows + 1, Hkv, C, D) and their queries attend over them under `mask`;
+    the pack's K/V go to (row, position) = pack_index and its queries attend among the pack's
+    own tokens under `pack_mask`. The pack is written after the rows: a refilled row idles in
+    this step's rows part, which writes its first slots."""
+    rows, slots = index
+    N, Q = slots.shape
+    n = N * Q
+    q, k, v = layer_qkv(layer, x, fused)  # (M, Hq, D), (M, Hkv, D)
+    k_cache[rows, :, slots] = rotate(k[:n].unflatten(0, (N, Q)), cos, sin)  # (N, Q, Hkv, D)
+    v_cache[rows, :, slots] = v[:n].unflatten(0, (N, Q))
+    pcos, psin = pack_rope  # (T, D)
+    qp = rotate(q[n:].transpose(0, 1), pcos, psin)[None]  # (1, Hq, T, D)
+    kp = rotate(k[n:].transpose(0, 1), pcos, psin)  # (Hkv, T, D)
+    vp = v[n:].transpose(0, 1)
+    prow, ppos = pack_index
+    k_cache[prow, :, ppos] = kp.transpose(0, 1)  # (T, Hkv, D)
+    v_cache[prow, :, ppos] = vp.transpose(0, 1)
+    qr = rotate(q[:n].unflatten(0, (N, Q)), cos, sin).transpose(1, 2)  # (N, Hq, Q, D)
+    yr = layer_attention(layer, qr, k_cache[:N], v_cache[:N], mask)  # (N, Hq, Q, D)
+    yp = layer_attention(layer, qp, kp[None], vp[None], pack_mask, kernel=True)  # (1, Hq, T, D)
+    y = torch.cat([yr.transpose(1, 2).flatten(0, 1), yp[0].transpose(0, 1)])  # (M, Hq, D)
+    return layer_out(layer, x, y.flatten(1), fused)
 
 
 def rows_drafter_inputs(
@@ -226,11 +273,18 @@ class ConcurrentEngine:
     target and drafter modules, fused weights, RoPE tables and compile / graph settings; one
     set of row buffers per instance. `dynamic` (torch.compile's, where the engine compiles):
     None, one graph per step function for every row count above 1 (Dynamo's automatic dynamic
-    shapes); False, one per row count (benchmarks/RESULTS.md compares them)."""
+    shapes); False, one per row count (benchmarks/RESULTS.md compares them). `refill` (REFILLS):
+    "step" puts the queue's next prompts into the next step's forward, beside the busy rows'
+    tokens (a graph per pack length and step kind); "pack" gives them a forward of their own
+    between steps (a graph per pack length)."""
 
-    def __init__(self, engine: Engine, rows: int, dynamic: bool | None = None):
+    def __init__(
+        self, engine: Engine, rows: int, dynamic: bool | None = None, refill: str = "step"
+    ):
+        if refill not in REFILLS:
+            raise ValueError(f"refill {refill!r}: one of {', '.join(REFILLS)}")
         check_rows(engine, rows)
-        self.engine, self.rows = engine, rows
+        self.engine, self.rows, self.refill = engine, rows, refill
         t, d = engine.target, engine.drafter
         self.device, on = engine.device, engine.compiled
         weight = t.base.embed_tokens.weight
@@ -254,17 +308,22 @@ class ConcurrentEngine:
         )
         self.context, self.chain = (compiled(fn, on, dynamic) for fn in (rows_context, rows_chain))
         self.prefill = compiled(prefill_layer, on, None)  # pack lengths vary at every level
+        self.mix = compiled(mixed_layer, on, None)
         long = {"dtype": torch.long, "device": self.device}
         self.length = torch.zeros(rows, **long)
         self.anchor = torch.zeros(rows, **long)
         self.idle = torch.zeros(rows, dtype=torch.bool, device=self.device)
         self.last = torch.zeros(rows, **long)  # a pack's: each prompt's last position in it
         self.first = torch.zeros(rows, **long)  # a pack's: each prompt's first new token
+        # a refilling step's, per row: [refilled (0/1), its prompt's length, the prompt's last
+        # token's place in the pack]; and its pack (4, T) per pack length (static inputs)
+        self.joins = torch.zeros(3, rows, **long)
+        self.pack_in: dict[int, Tensor] = {}
         self.packed: dict[str, Tensor] = {}
         self.drafts: dict[str, Tensor] = {}  # lookup@K: (rows, K+1) [count, d_1..d_K]
         self.plans: dict[str, np.ndarray] = {}  # their host copies (the drafted counts)
         self.steps: dict[str, Callable[[], None]] = {}
-        self._graphs: dict[str, torch.cuda.CUDAGraph] = {}
+        self._graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}  # (kind, pack length)
         self._packs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, Tensor]] = {}
         self._pool = None
         # the last decode's: steps (one forward of every row each), refill packs, seconds in
@@ -273,19 +332,66 @@ class ConcurrentEngine:
 
     # -- device work -------------------------------------------------------------------------
 
-    def _forward(self, ids: Tensor, slots: Tensor, taps: bool) -> tuple[Tensor, Tensor | None]:
+    def _forward(
+        self, ids: Tensor, slots: Tensor, taps: bool, T: int = 0
+    ) -> tuple[Tensor, Tensor | None, tuple[Tensor, Tensor | None] | None]:
+        """The target over the rows' tokens ids (N, Q) at `slots`: logits (N, Q, V) and, with
+        `taps`, the tapped layers' rows side by side; with a pack length T, the refill pack
+        pack_in[T] in the same matmuls (`mixed_layer`), whose last layer's rows (T, H) and
+        tapped rows (T, n_taps*H) (None without taps) come third."""
         t = self.engine.target
         x, ropes, index, masks = self.inputs(t.base.embed_tokens, t.tables, t.cols, ids, slots,
                                              t.windows, t.groups)  # fmt: skip
+        N, Q = ids.shape
+        if T:
+            pack = self.pack_in[T]
+            _, prow, ppos, _ = pack
+            pmasks = pack_masks(pack, t.windows, t.groups)
+            x = torch.cat([x.flatten(0, 1), t.base.embed_tokens(pack[0])])  # (N*Q + T, H)
         tapped = {}
         for i, lay in enumerate(t.base.layers):
             cos, sin = ropes[t.rope_of[i]]
-            x = self.layer(lay, x, self.k[i], self.v[i], cos, sin, index, masks[t.mask_of[i]],
-                           t.fused[i])  # fmt: skip
+            if T:
+                pcos, psin = t.tables[t.rope_of[i]]
+                x = self.mix(lay, x, self.k_all[i], self.v_all[i], cos, sin, index,
+                             masks[t.mask_of[i]], (pcos[ppos], psin[ppos]), (prow, ppos),
+                             pmasks[t.mask_of[i]], t.fused[i])  # fmt: skip
+            else:
+                x = self.layer(lay, x, self.k[i], self.v[i], cos, sin, index,
+                               masks[t.mask_of[i]], t.fused[i])  # fmt: skip
             if i in t.layer_ids:
                 tapped[i] = x
         taps_in_order = [tapped[i] for i in t.layer_ids] if taps else []
-        return self.outputs(t.base.norm, t.model.lm_head, x, taps_in_order, t.softcap)
+        if not T:
+            return (*self.outputs(t.base.norm, t.model.lm_head, x, taps_in_order, t.softcap), None)
+        n = N * Q
+        logits, states = self.outputs(t.base.norm, t.model.lm_head, x[:n].unflatten(0, (N, Q)),
+                                      [h[:n].unflatten(0, (N, Q)) for h in taps_in_order],
+                                      t.softcap)  # fmt: skip
+        pack_states = torch.cat([h[n:] for h in taps_in_order], -1) if taps else None
+        return logits, states, (x[n:], pack_states)
+
+    def _join(self, kind: str, T: int, pack_out: tuple[Tensor, Tensor | None]) -> None:
+        """After a refilling step: the rows its pack filled (joins) take their prompt's length
+        and first token (greedy at the prompt's last place in the pack: their anchor, and
+        [1, token] in the step's read-back) and stop idling; with the pack's tapped rows, the
+        drafter's context of every prompt token (written after the step's own, which the
+        refilled rows' idle tokens wrote at their first slots)."""
+        t, d = self.engine.target, self.engine.drafter
+        x, states = pack_out
+        new, length, last = self.joins[0] > 0, self.joins[1], self.joins[2]
+        logits, _ = target_outputs(t.base.norm, t.model.lm_head, x[last], [], t.softcap)
+        first = logits.argmax(-1)  # (rows,)
+        self.anchor.copy_(torch.where(new, first, self.anchor))
+        self.length.copy_(torch.where(new, length, self.length))
+        self.idle.logical_and_(~new)
+        packed = self.packed[kind]
+        packed[:, 0].copy_(torch.where(new, 1, packed[:, 0]))
+        packed[:, 1].copy_(torch.where(new, first, packed[:, 1]))
+        if states is not None:
+            _, rows, pos, _ = self.pack_in[T]
+            rows_context(d.drafter, states[None], self.dkv, d.context_weight, d.cos, d.sin,
+                         (rows[None], pos[None]))  # fmt: skip
 
     def _pack_step(self, pack: Tensor, taps: bool) -> None:
         """A refill pack (4, T) (batched_step.pack_forward) into the rows' buffers; each
@@ -314,49 +420,78 @@ class ConcurrentEngine:
                                  d.fused[i])  # fmt: skip
         return self.chain(d.drafter, x)  # (N, B-1)
 
-    def _greedy_step(self) -> None:
+    def _greedy_step(self, T: int = 0) -> None:
         slots = self.length[:, None]  # (N, 1)
-        logits, _ = self._forward(self.anchor[:, None], slots, False)
+        logits, _, pack = self._forward(self.anchor[:, None], slots, False, T)
         empty = self.anchor.new_zeros(self.rows, 0)
         accept_rows(logits, empty, None, self.anchor, self.packed["greedy"], self.length)
-        self._rest()
+        self._rest("greedy", T, pack)
 
-    def _dflash_step(self) -> None:
+    def _dflash_step(self, T: int = 0) -> None:
         d = self.engine.drafter
         drafts = self._propose()  # (N, B-1)
         slots = self.length[:, None] + d.offsets  # (N, B)
         ids = torch.cat([self.anchor[:, None], drafts], 1)
-        logits, states = self._forward(ids, slots, True)
+        logits, states, pack = self._forward(ids, slots, True, T)
         rows = torch.arange(self.rows, device=self.device)[:, None]
         self.context(d.drafter, states, self.dkv, d.context_weight, d.cos, d.sin, (rows, slots))
         accept_rows(logits, drafts, None, self.anchor, self.packed["dflash"], self.length)
-        self._rest()
+        self._rest("dflash", T, pack)
 
-    def _lookup_step(self, kind: str) -> None:
+    def _lookup_step(self, kind: str, T: int = 0) -> None:
         plan = self.drafts[kind]
         count, drafts = plan[:, 0], plan[:, 1:]  # (N,), (N, K)
         slots = self.length[:, None] + torch.arange(drafts.shape[1] + 1, device=self.device)
         ids = torch.cat([self.anchor[:, None], drafts], 1)
-        logits, _ = self._forward(ids, slots, False)
+        logits, _, pack = self._forward(ids, slots, False, T)
         accept_rows(logits, drafts, count, self.anchor, self.packed[kind], self.length)
-        self._rest()
+        self._rest(kind, T, pack)
 
-    def _rest(self) -> None:
-        """Idle rows back to length 0 (their writes stay in their first slots)."""
+    def _rest(self, kind: str, T: int, pack: tuple[Tensor, Tensor | None] | None) -> None:
+        """Idle rows back to length 0 (their writes stay in their first slots); then the rows a
+        refilling step's pack filled join (`_join`)."""
         self.length.masked_fill_(self.idle, 0)
+        if T:
+            self._join(kind, T, pack)
 
-    def _prefill(self, jobs: list[tuple[int, int, list[int]]], taps: bool) -> list[int]:
-        """Each job's prompt (row, prompt index, tokens) into its row at slots 0..P-1, all in
-        one pack of the shortest length that holds them; the row's anchor (its first new token)
-        and length set. Returns the first tokens (the pack's one read-back)."""
-        start = clock(self.device)  # the device is idle here: after a read-back or a refill
-        used = sum(len(p) for _, _, p in jobs)
-        T = next(n for n in self.packs if n >= used)
-        pack, last, at = self._blank(T), np.zeros(self.rows, dtype=np.int64), 0
+    def _pack(self, jobs: list[tuple[int, int, list[int]]]) -> tuple[int, np.ndarray, list[int]]:
+        """Each job's prompt (row, prompt index, tokens) at slots 0..P-1 of its row, in one pack
+        (4, T) of the shortest length that holds them: T, the pack, and each prompt's last
+        token's place in it."""
+        T = next(n for n in self.packs if n >= sum(len(p) for _, _, p in jobs))
+        pack, ends, at = self._blank(T), [], 0
         for k, (r, _, ids) in enumerate(jobs):
             m = len(ids)
             pack[:, at : at + m] = [ids, [r] * m, range(m), [k] * m]
-            last[k], at = at + m - 1, at + m
+            ends.append(at + m - 1)
+            at += m
+        return T, pack, ends
+
+    def _stage(self, jobs: list[tuple[int, int, list[int]]]) -> int:
+        """The jobs' pack into the static input of its length and their rows into `joins`, for
+        the next step to refill (refill "step"); returns the pack length."""
+        T, pack, ends = self._pack(jobs)
+        joins = np.zeros((3, self.rows), dtype=np.int64)
+        for (r, _, p), end in zip(jobs, ends, strict=True):
+            joins[:, r] = 1, len(p), end
+        self._pack_input(T).copy_(torch.from_numpy(pack))
+        self.joins.copy_(torch.from_numpy(joins))
+        return T
+
+    def _pack_input(self, T: int) -> Tensor:
+        """The static pack input of length T (a blank pack when new)."""
+        if T not in self.pack_in:
+            self.pack_in[T] = torch.from_numpy(self._blank(T)).to(self.device)
+        return self.pack_in[T]
+
+    def _prefill(self, jobs: list[tuple[int, int, list[int]]], taps: bool) -> list[int]:
+        """Refill "pack": the jobs' prompts (`_pack`) through a forward of their own between
+        steps; each row's anchor (its first new token) and length set. Returns the first tokens
+        (the pack's one read-back)."""
+        start = clock(self.device)  # the device is idle here: after a read-back or a refill
+        T, pack, ends = self._pack(jobs)
+        last = np.zeros(self.rows, dtype=np.int64)
+        last[: len(ends)] = ends
         pack_t = torch.from_numpy(pack).to(self.device)
         # the graph first: a capture (none where decode prepared them) zeroes `last`
         captured = self._pack_graph(T, taps) if self.engine.graphs else None
@@ -410,7 +545,7 @@ class ConcurrentEngine:
             kind, q = f"lookup@{K}", K + 1
             self.drafts.setdefault(kind, torch.zeros(self.rows, K + 1, **long))
             self.plans.setdefault(kind, np.zeros((self.rows, K + 1), dtype=np.int64))
-            step = lambda: self._lookup_step(kind)  # noqa: E731
+            step = lambda T=0: self._lookup_step(kind, T)  # noqa: E731
         else:
             raise ValueError(f"no batched step for method {method!r} (DDTree runs at c = 1 only)")
         if kind not in self.steps:
@@ -418,24 +553,37 @@ class ConcurrentEngine:
             self.steps[kind] = step
         return kind, q
 
+    def _lengths(self) -> list[int]:
+        """The pack lengths a step may carry (0: none)."""
+        return [0, *self.packs] if self.refill == "step" else [0]
+
     def _capture(self, kind: str) -> None:
-        """The step's CUDA graph, recorded once per kind before any row holds a prompt (the
-        warm-up runs write the rows' first slots)."""
-        if self.engine.graphs and kind not in self._graphs:
-            self._pool = self._pool or torch.cuda.graph_pool_handle()
+        """The step's CUDA graphs, one per pack length it may carry, recorded before any row
+        holds a prompt (the warm-up runs write the rows' first slots; a blank pack writes the
+        scratch row, and no row joins)."""
+        if not self.engine.graphs:
+            return
+        self._pool = self._pool or torch.cuda.graph_pool_handle()
 
-            def reset() -> None:
-                self.length.zero_()
-                self.anchor.zero_()
+        def reset() -> None:
+            self.length.zero_()
+            self.anchor.zero_()
 
+        for T in self._lengths():
+            if (kind, T) in self._graphs:
+                continue
             self.idle.fill_(False)
-            self._graphs[kind] = capture(self.steps[kind], self.device, self._pool, reset)
+            self.joins.zero_()
+            if T:
+                self._pack_input(T).copy_(torch.from_numpy(self._blank(T)))
+            run = functools.partial(self.steps[kind], T)
+            self._graphs[kind, T] = capture(run, self.device, self._pool, reset)
 
-    def _run(self, kind: str) -> None:
+    def _run(self, kind: str, T: int = 0) -> None:
         if self.engine.graphs:
-            self._graphs[kind].replay()
+            self._graphs[kind, T].replay()
         else:
-            self.steps[kind]()
+            self.steps[kind](T)
 
     @torch.no_grad()
     def prepare(self, method: str, lookup: Lookups = None) -> None:
@@ -450,9 +598,9 @@ class ConcurrentEngine:
         self._capture_packs(kind)
 
     def _capture_packs(self, kind: str) -> None:
-        """Every pack length's refill graph for the step kind (DFlash's writes the drafter's
-        context too), so that no capture falls in a timed decode."""
-        if self.engine.graphs:
+        """Refill "pack": every pack length's refill graph for the step kind (DFlash's writes
+        the drafter's context too), so that no capture falls in a timed decode."""
+        if self.engine.graphs and self.refill == "pack":
             for T in self.packs:
                 self._pack_graph(T, kind == "dflash")
 
@@ -477,44 +625,66 @@ class ConcurrentEngine:
         queue = deque(enumerate(prompts))
         busy: dict[int, _Row] = {}
         done: list[Decoded | None] = [None] * len(prompts)
+        in_step = self.refill == "step"
         t0 = clock(self.device)
         self.steps_run, self.prefills, self.prefill_s, self.host_s = 0, 0, 0.0, 0.0
 
-        def admit(free: list[int]) -> None:
-            """The queue's next prompts into the free rows, a pack at a time; a prompt whose
-            first token ends it is done at once and its row taken again. Rows the queue cannot
-            fill idle (the queue is empty then: a row idles from then on)."""
-            while free and queue:
-                jobs, used = [], 0
-                while free and queue and used + len(queue[0][1]) <= self.packs[-1]:
-                    i, p = queue.popleft()
-                    jobs.append((free.pop(), i, list(p)))
-                    used += len(p)
-                for (r, i, p), first in zip(jobs, self._prefill(jobs, kind == "dflash"),
-                                            strict=True):  # fmt: skip
-                    row = _Row(i, p, [first])
-                    if settings is not None:
-                        row.proposer = PromptLookupProposer(**asdict(settings[i]))
-                        row.proposer.start(p, None)
-                    if first in stop_ids or max_new_tokens <= 1:
-                        done[i] = _decoded(row, max_new_tokens, stop_ids)
-                        free.append(r)
-                    else:
-                        busy[r] = row
+        def take(free: list[int]) -> list[tuple[int, int, list[int]]]:
+            """The queue's next prompts for the free rows, as many as one pack holds."""
+            jobs, used = [], 0
+            while free and queue and used + len(queue[0][1]) <= self.packs[-1]:
+                i, p = queue.popleft()
+                jobs.append((free.pop(), i, list(p)))
+                used += len(p)
+            return jobs
+
+        def start(jobs: list[tuple[int, int, list[int]]], firsts: list[int]) -> list[int]:
+            """The jobs' rows busy with their first tokens; a prompt whose first token ends it
+            is done at once. Returns the rows free again."""
+            again = []
+            for (r, i, p), first in zip(jobs, firsts, strict=True):
+                row = _Row(i, p, [first])
+                if settings is not None:
+                    row.proposer = PromptLookupProposer(**asdict(settings[i]))
+                    row.proposer.start(p, None)
+                if first in stop_ids or max_new_tokens <= 1:
+                    done[i] = _decoded(row, max_new_tokens, stop_ids)
+                    again.append(r)
+                else:
+                    busy[r] = row
+            return again
+
+        def rest(free: list[int]) -> None:
+            """The free rows idle on the device until a prompt joins them."""
             if free:
                 idle = torch.tensor(free, dtype=torch.long, device=self.device)
                 self.idle.index_fill_(0, idle, True)
                 self.length.index_fill_(0, idle, 0)
 
+        def admit(free: list[int]) -> None:
+            """Refill "pack": the queue's next prompts into the free rows, a pack forward at a
+            time. Rows the queue cannot fill idle (the queue is empty then)."""
+            while free and queue:
+                jobs = take(free)
+                free += start(jobs, self._prefill(jobs, kind == "dflash"))
+            rest(free)
+
+        free = list(range(self.rows))[::-1]
         self.idle.fill_(False)
-        admit(list(range(self.rows))[::-1])
+        if in_step:
+            rest(free)
+        else:
+            admit(free)
         mark, refills = time.perf_counter(), self.prefill_s
-        while busy:
+        while busy or (in_step and queue and free):
+            jobs = take(free) if in_step else []
+            T = self._stage(jobs) if jobs else 0
             self.steps_run += 1
+            self.prefills += bool(jobs)
             if kind.startswith("lookup@"):
                 self._plan_lookups(kind, busy)
             self.host_s += time.perf_counter() - mark - (self.prefill_s - refills)
-            self._run(kind)
+            self._run(kind, T)
             packed = self.packed[kind].tolist()  # the step's one read-back
             mark, refills = time.perf_counter(), self.prefill_s
             freed = []
@@ -530,7 +700,11 @@ class ConcurrentEngine:
                     done[row.index] = _decoded(row, max_new_tokens, stop_ids)
                     del busy[r]
                     freed.append(r)
-            if freed:
+            freed += start(jobs, [packed[r][1] for r, _, _ in jobs])
+            if in_step:
+                rest(freed)
+                free += freed
+            elif freed:
                 admit(freed)
         wall = clock(self.device) - t0
         return [d for d in done if d is not None], wall
