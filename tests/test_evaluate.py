@@ -430,7 +430,7 @@ def test_concurrency_levels_decode_the_same_answers(tiny_target_dir, target_conf
     assert all(r.split(" | ")[6].endswith("packs, in steps") for r in rows)
     for row in figures["levels"].values():  # refills apart (concurrency_refill: pack): a share
         row["dflash"].update(refill="pack", prefill_share=0.25)
-    assert all(r.split(" | ")[6] == "25%" for r in under_load(metrics, "img").splitlines()
+    assert all(r.split(" | ")[6] == "25% of its time" for r in under_load(metrics, "img").splitlines()
                if r.startswith("| ") and r[2].isdigit())  # fmt: skip
     assert under_load({k: v for k, v in metrics.items() if k != "concurrency"}, "img") == ""
 

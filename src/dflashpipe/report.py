@@ -134,7 +134,7 @@ def _refills(row: dict) -> str:
     """A level's refills for the table: their share of the time where they run apart, else
     how many steps carried a pack (evaluate.concurrency_refill)."""
     if row.get("refill", "pack") == "pack":
-        return f"{row['prefill_share']:.0%}"
+        return f"{row['prefill_share']:.0%} of its time"
     return f"{row['prefills']} packs, in steps"
 
 
@@ -146,7 +146,7 @@ def under_load(evaluation: dict, img: str) -> str:
     levels = figures["levels"]
     lookup = "prompt_lookup" in levels["1"]
     head = ("| concurrency | target tok/s | DFlash tok/s | DFlash speedup | DFlash tau | "
-            "DFlash step (target steps) | refills (share of DFlash's time) |")  # fmt: skip
+            "DFlash step (target steps) | DFlash refills |")  # fmt: skip
     head += " prompt lookup speedup (best setting per source) |" if lookup else ""
     lines = [head, "|---" * (7 + lookup) + "|"]
     for c in sorted(levels, key=int):
