@@ -17,12 +17,29 @@
 # start once VARIANT's first optimizer step is logged (waiting at most 300 s), so that those of
 # its shapes find its compiled graphs in the machine's Inductor cache instead of all compiling
 # at once (H200, 2026-12-04: 221 s of compiling for the first cell, 5-6 s for those after it).
+# A run whose driver fails leaves /tmp/q/VARIANT.FAILED; the runs waiting on its files then
+# give up (marked FAILED too, with the reason in their .out) instead of waiting for ever.
 cd "$(dirname "$0")/../.." && . benchmarks/remote/setup.sh >/dev/null
 mkdir -p /tmp/q
 EXTRA="--restore /tmp/xfer"; for f in ${QUALITY_EXTRA:-}; do EXTRA="$EXTRA --configfile $f"; done
+drive() {  # drive VARIANT TARGET: its quality run, FAILED marked where the driver fails
+  python3 benchmarks/quality.py $1 --runs /tmp/runs --target $2 $EXTRA > /tmp/q/$1.out 2>&1 \
+    || touch /tmp/q/$1.FAILED
+}
+await() {  # await VARIANT FILE RUN: wait for FILE, which RUN writes; false once RUN has failed
+  until [ -e $2 ]; do
+    if [ -e /tmp/q/$3.FAILED ]; then
+      echo "bg.sh: $1 not run: $3, which writes $2, failed (Error)" > /tmp/q/$1.out
+      touch /tmp/q/$1.FAILED; return 1
+    fi
+    sleep 5
+  done
+}
 if [ "${MAIN_TARGET:-all}" != none ]; then
-  python3 benchmarks/quality.py main --runs /tmp/runs --target ${MAIN_TARGET:-all} $EXTRA > /tmp/q/main.out 2>&1 &
+  rm -f /tmp/q/main.FAILED
+  drive main ${MAIN_TARGET:-all} &
 fi
+for spec in "$@"; do rm -f /tmp/q/${spec%%:*}.FAILED; done  # an earlier call's, now run again
 for spec in "$@"; do   # VARIANT or VARIANT:TARGET (e.g. block16:train: no evaluate)
   v=${spec%%:*}; target=all; [[ $spec == *:* ]] && target=${spec#*:}
   reuse=" $(sed -n 's/^# reuse://p' benchmarks/quality/$v.yaml) "
@@ -36,13 +53,16 @@ for spec in "$@"; do   # VARIANT or VARIANT:TARGET (e.g. block16:train: no evalu
   esac
   waits=$(sed -n 's/^# wait://p' benchmarks/quality/$v.yaml)  # other runs' files it reads
   mkdir -p /tmp/runs/quality-$v
-  (until [ -e $need ]; do sleep 5; done
-   for w in $waits; do until [ -e /tmp/runs/quality-$v/$w ]; do sleep 5; done; done; sleep 2
+  (await $v $need ${from:-main} || exit
+   for w in $waits; do  # ../quality-RUN/...: a file of another run
+     run=$(sed -n 's|^\.\./quality-\([^/]*\)/.*|\1|p' <<< "$w")
+     await $v /tmp/runs/quality-$v/$w "$run" || exit
+   done; sleep 2
    if [ -n "${WARM:-}" ] && [ "$v" != "$WARM" ] && [[ $reuse == *" features "* ]]; then
      log=/tmp/runs/quality-$WARM/results/logs/train.log; t=$SECONDS
      until grep -qs "first optimizer step" $log || [ $((SECONDS - t)) -gt 300 ]; do sleep 5; done
    fi
-   python3 benchmarks/quality.py $v --runs /tmp/runs --target $target $EXTRA > /tmp/q/$v.out 2>&1) &
+   drive $v $target) &
 done
 wait
 for v in ${ALONE:-}; do

@@ -21,10 +21,10 @@ status() {
     [ -f $r/train/metrics.jsonl ] && tail -1 $r/train/metrics.jsonl | cut -c1-200
     ls $r/logs/evaluate* >/dev/null 2>&1 && tail -c 200 $r/logs/evaluate*.log 2>/dev/null | tr '\r' '\n' | tail -2
   done
-  for f in /tmp/q/*.out; do  # a run that failed says so at once (its dependents would only wait)
-    if grep -qE "Traceback|snakemake exit [1-9]|Error" "$f" 2>/dev/null; then
-      echo "FAILED $(basename "$f" .out): $(grep -E "Error|snakemake exit" "$f" | tail -2 | cut -c1-300)"
-    fi
+  for f in /tmp/q/*.FAILED; do  # a run whose driver failed (bg.sh), named at once with its error
+    [ -e "$f" ] || continue
+    out=${f%.FAILED}.out
+    echo "FAILED $(basename "$out" .out): $(grep -E "Error|snakemake exit" "$out" | tail -2 | cut -c1-300)"
   done
   nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader
   echo "disk $(df -h --output=used,avail /tmp | tail -1) mem $(free -g | awk '/Mem/{print $3"G used"}') load $(cut -d' ' -f1 /proc/loadavg)"
