@@ -316,7 +316,8 @@ class ConcurrentEngine:
         self.last = torch.zeros(rows, **long)  # a pack's: each prompt's last position in it
         self.first = torch.zeros(rows, **long)  # a pack's: each prompt's first new token
         # a refilling step's, per row: [refilled (0/1), its prompt's length, the prompt's last
-        # token's place in the pack]; and its pack (4, T) per pack length (static inputs)
+        # token's place in the pack]; and a refill's pack (4, T) per pack length (static inputs,
+        # either refill's)
         self.joins = torch.zeros(3, rows, **long)
         self.pack_in: dict[int, Tensor] = {}
         self.packed: dict[str, Tensor] = {}
@@ -324,7 +325,7 @@ class ConcurrentEngine:
         self.plans: dict[str, np.ndarray] = {}  # their host copies (the drafted counts)
         self.steps: dict[str, Callable[[], None]] = {}
         self._graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}  # (kind, pack length)
-        self._packs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, Tensor]] = {}
+        self._packs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}  # (length, taps)
         self._pool = None
         # the last decode's: steps (one forward of every row each), refill packs, seconds in
         # refills (packing, prefill, read-back) and in host work between steps (the device idle)
@@ -377,35 +378,36 @@ class ConcurrentEngine:
         [1, token] in the step's read-back) and stop idling; with the pack's tapped rows, the
         drafter's context of every prompt token (written after the step's own, which the
         refilled rows' idle tokens wrote at their first slots)."""
-        t, d = self.engine.target, self.engine.drafter
-        x, states = pack_out
         new, length, last = self.joins[0] > 0, self.joins[1], self.joins[2]
-        logits, _ = target_outputs(t.base.norm, t.model.lm_head, x[last], [], t.softcap)
-        first = logits.argmax(-1)  # (rows,)
+        first = self._pack_outputs(*pack_out, self.pack_in[T], last)  # (rows,)
         self.anchor.copy_(torch.where(new, first, self.anchor))
         self.length.copy_(torch.where(new, length, self.length))
         self.idle.logical_and_(~new)
         packed = self.packed[kind]
         packed[:, 0].copy_(torch.where(new, 1, packed[:, 0]))
         packed[:, 1].copy_(torch.where(new, first, packed[:, 1]))
-        if states is not None:
-            _, rows, pos, _ = self.pack_in[T]
-            rows_context(d.drafter, states[None], self.dkv, d.context_weight, d.cos, d.sin,
-                         (rows[None], pos[None]))  # fmt: skip
 
     def _pack_step(self, pack: Tensor, taps: bool) -> None:
         """A refill pack (4, T) (batched_step.pack_forward) into the rows' buffers; each
         prompt's first token (greedy at its last position, `last`) into `first`; with `taps`,
         the drafter's context of every prompt token."""
-        t, d = self.engine.target, self.engine.drafter
+        t = self.engine.target
         x, tapped = pack_forward(t, self.k_all, self.v_all, pack, t.layer_ids if taps else (),
                                  self.prefill)  # fmt: skip
-        logits, _ = target_outputs(t.base.norm, t.model.lm_head, x[0, self.last], [], t.softcap)
-        self.first.copy_(logits.argmax(-1))
-        if taps:
+        states = torch.cat(tapped, -1)[0] if taps else None
+        self.first.copy_(self._pack_outputs(x[0], states, pack, self.last))
+
+    def _pack_outputs(self, x: Tensor, states: Tensor | None, pack: Tensor, last: Tensor) -> Tensor:
+        """What a refill pack (4, T) leaves from its last layer's rows x (T, H): the greedy
+        token at each place in `last` (a prompt's last token: its first new one), and, with the
+        tapped rows `states` (T, n_taps*H), the drafter's context of every prompt token."""
+        t, d = self.engine.target, self.engine.drafter
+        logits, _ = target_outputs(t.base.norm, t.model.lm_head, x[last], [], t.softcap)
+        if states is not None:
             _, rows, pos, _ = pack
-            rows_context(d.drafter, torch.cat(tapped, -1), self.dkv, d.context_weight, d.cos,
-                         d.sin, (rows[None], pos[None]))  # fmt: skip
+            rows_context(d.drafter, states[None], self.dkv, d.context_weight, d.cos, d.sin,
+                         (rows[None], pos[None]))  # fmt: skip
+        return logits.argmax(-1)
 
     def _propose(self) -> Tensor:
         d = self.engine.drafter
@@ -492,15 +494,13 @@ class ConcurrentEngine:
         T, pack, ends = self._pack(jobs)
         last = np.zeros(self.rows, dtype=np.int64)
         last[: len(ends)] = ends
-        pack_t = torch.from_numpy(pack).to(self.device)
-        # the graph first: a capture (none where decode prepared them) zeroes `last`
-        captured = self._pack_graph(T, taps) if self.engine.graphs else None
+        # the graph first: a capture (none where decode prepared them) blanks the inputs
+        graph = self._pack_graph(T, taps) if self.engine.graphs else None
+        self._pack_input(T).copy_(torch.from_numpy(pack))
         self.last.copy_(torch.from_numpy(last))
-        if captured is None:
-            self._pack_step(pack_t, taps)
+        if graph is None:
+            self._pack_step(self.pack_in[T], taps)
         else:
-            graph, static = captured
-            static.copy_(pack_t)
             graph.replay()
         n, long = len(jobs), {"dtype": torch.long, "device": self.device}
         rows = torch.tensor([r for r, _, _ in jobs], **long)
@@ -517,15 +517,16 @@ class ConcurrentEngine:
         pack[1], pack[3] = self.rows, -1
         return pack
 
-    def _pack_graph(self, T: int, taps: bool) -> tuple[torch.cuda.CUDAGraph, Tensor]:
-        """The refill pack of length T as a CUDA graph and its static input, captured on a
-        blank pack (which writes the scratch row only) where none is yet."""
+    def _pack_graph(self, T: int, taps: bool) -> torch.cuda.CUDAGraph:
+        """The refill pack of length T as a CUDA graph over its static input (`_pack_input`),
+        captured on a blank pack (which writes the scratch row only) where none is yet."""
         if (T, taps) not in self._packs:
             self._pool = self._pool or torch.cuda.graph_pool_handle()
-            static = torch.from_numpy(self._blank(T)).to(self.device)
+            static = self._pack_input(T)
+            static.copy_(torch.from_numpy(self._blank(T)))
             self.last.zero_()
             graph = capture(lambda: self._pack_step(static, taps), self.device, self._pool)
-            self._packs[T, taps] = graph, static
+            self._packs[T, taps] = graph
         return self._packs[T, taps]
 
     # -- steps and graphs --------------------------------------------------------------------
