@@ -9,13 +9,50 @@ from dflashpipe.config import Config, load_config
 from dflashpipe.errors import ConfigError
 
 SHIPPED = [REPO / "config.yaml", *sorted((REPO / "configs").glob("*.yaml"))]
+ON_TOP = "# on top of: "  # an overlay recipe's first line: the recipe it is merged onto
+
+
+def shipped(path):
+    """A shipped config as Snakemake reads it: an overlay recipe (first line `# on top of:
+    BASE`) merged onto its base, as `--configfile BASE OVERLAY` merges them."""
+    first = path.read_text().splitlines()[0]
+    if not first.startswith(ON_TOP):
+        return load_config(path)
+    from snakemake.utils import update_config  # Snakemake's own merge of --configfile files
+
+    raw = yaml.safe_load((REPO / first.removeprefix(ON_TOP).strip()).read_text())
+    update_config(raw, yaml.safe_load(path.read_text()))
+    return Config.from_dict(raw)
 
 
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
 def test_shipped_configs_validate(path):
-    cfg = load_config(path)
+    cfg = shipped(path)
     assert cfg.prompts.sources, path
     assert cfg.raw["train"]["lr"] > 0  # defaults are filled in
+
+
+def test_the_x4_recipe_is_the_measured_cell():
+    """configs/smollm2-sharegpt-x4.yaml regenerates in one run what the quality cell `x4` joined
+    from three runs (benchmarks/quality/x4.yaml, its sampled halves, the fp4 codec): the same
+    sampling, codec and epochs, four answers per prompt with the greedy one first."""
+    x4 = shipped(REPO / "configs" / "smollm2-sharegpt-x4.yaml").raw
+    cells = {
+        name: yaml.safe_load((REPO / "benchmarks" / "quality" / f"{name}.yaml").read_text())
+        for name in ("x4", "x4-sampled-b", "sampled-answers", "fp4")
+    }
+    sampled = cells["x4-sampled-b"]["regenerate"]
+    assert (x4["regenerate"]["temperature"], x4["regenerate"]["top_p"]) == (
+        sampled["temperature"],
+        sampled["top_p"],
+    )
+    assert cells["sampled-answers"]["regenerate"]["temperature"] == sampled["temperature"]
+    answers = 1 + 1 + sampled["samples_per_prompt"]  # main's greedy, sampled-answers', these
+    assert x4["regenerate"]["samples_per_prompt"] == answers and x4["regenerate"]["greedy_first"]
+    assert {k: x4["extract"][k] for k in cells["fp4"]["extract"]} == cells["fp4"]["extract"]
+    assert x4["train"]["epochs"] == cells["x4"]["train"]["epochs"]
+    recipe = load_config(REPO / "configs" / "smollm2-sharegpt.yaml").raw
+    assert x4["prompts"] == recipe["prompts"] and x4["drafter"] == recipe["drafter"]
 
 
 def test_qwen3_recipe_values():
