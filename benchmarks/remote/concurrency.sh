@@ -14,11 +14,16 @@ C=${CONC_OUT:-/tmp/conc}; mkdir -p $C
 D=$(ls /tmp/xfer/drafter-*.tar.zst.[0-9]* 2>/dev/null || ls /tmp/xfer/drafter-*.tar.zst)  # parts or joined
 cat $D | unzst | tar x -C $C
 [ $# -gt 0 ] || set -- benchmarks/remote/concurrency.yaml
+# target.model as the real path setup.sh links resources/ to: a later call's copy of the working
+# tree removes that link until its setup.sh makes it again, and an evaluate that read
+# resources/ in that gap failed (nineteenth session: a GGUF conversion, then the end of a cell)
 python3 - "$@" <<'PY' > $C/config.yaml
-import sys, yaml
+import os, sys, yaml
 sys.path.insert(0, "benchmarks")
 from quality import merged_configs
-print(yaml.safe_dump(merged_configs(["configs/smollm2-sharegpt.yaml", *sys.argv[1:]])))
+raw = merged_configs(["configs/smollm2-sharegpt.yaml", *sys.argv[1:]])
+raw["target"]["model"] = os.path.realpath(raw["target"]["model"])
+print(yaml.safe_dump(raw))
 PY
 python3 -m dflashpipe evaluate --config $C/config.yaml --drafter $C/drafter \
   --prompts /tmp/xfer/eval.parquet --out $C/concurrency.json --device cuda:0 > $C/evaluate.log 2>&1
