@@ -3,7 +3,8 @@
 # outlive the call that starts them), main first; a variant starts once the deepest stage of main
 # (or of the run its overlay's `# from:` line names) that its `# reuse:` line shares has finished
 # (none: at once), and the files of other runs its `# wait:` line names (relative to its work
-# directory) exist. /tmp/q/ALLDONE marks the end. QUALITY_EXTRA="FILE..." adds config files on top of every run's (e.g. other sizes), in order;
+# directory) exist. /tmp/q/ALLDONE marks the end of every bg.sh started on the machine (one
+# started while another runs, e.g. a second recipe's variant, holds it back). QUALITY_EXTRA="FILE..." adds config files on top of every run's (e.g. other sizes), in order;
 # MAIN_TARGET=extract stops main at its features (when only a variant's drafter is wanted);
 # MAIN_TARGET=none runs no main (variants on another recipe: MAIN_TARGET=none bg.sh gemma3).
 # Answers kept from an earlier machine (mon.sh KEEP=..., carried as .remote/k*/ and gathered by
@@ -21,6 +22,7 @@
 # give up (marked FAILED too, with the reason in their .out) instead of waiting for ever.
 cd "$(dirname "$0")/../.." && . benchmarks/remote/setup.sh >/dev/null
 mkdir -p /tmp/q
+rm -f /tmp/q/ALLDONE; touch /tmp/q/running.$$  # ALLDONE once no bg.sh is left running
 EXTRA="--restore /tmp/xfer"; for f in ${QUALITY_EXTRA:-}; do EXTRA="$EXTRA --configfile $f"; done
 drive() {  # drive VARIANT TARGET: its quality run, FAILED marked where the driver fails
   python3 benchmarks/quality.py $1 --runs /tmp/runs --target $2 $EXTRA > /tmp/q/$1.out 2>&1 \
@@ -71,4 +73,5 @@ done
 if [ -n "${STEPS:-}" ]; then
   python3 benchmarks/evaluate.py --shapes smollm2 $STEPS --out /tmp/q/steps.json > /tmp/q/steps.out 2>&1
 fi
-touch /tmp/q/ALLDONE
+rm -f /tmp/q/running.$$
+ls /tmp/q/running.* >/dev/null 2>&1 || touch /tmp/q/ALLDONE
