@@ -134,15 +134,26 @@ def prefill_layer(
     their positions: token t's K/V written at (row, slot) = index[t] of the buffers (rows,
     Hkv, C, D), attention among the pack's tokens under its folded block-causal mask (a refilled
     row has no prefix), SDPA's kernel where the layer is compiled too."""
-    rows, slots = index
     q, k, v = layer_qkv(layer, x, fused)  # (1, T, Hq, D), (1, T, Hkv, D)
+    return layer_out(layer, x, pack_attend(layer, q, k, v, k_cache, v_cache, cos, sin, index,
+                                           mask), fused)  # fmt: skip
+
+
+def pack_attend(
+    layer: nn.Module, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
+    cos: Tensor, sin: Tensor, index: tuple[Tensor, Tensor], mask: Tensor,
+) -> Tensor:  # fmt: skip
+    """prefill_layer's attention over a pack's projections q (1, T, Hq, D), k / v (1, T, Hkv, D):
+    the rotated K/V written at (row, slot) = index[t], the queries attending among the pack's
+    tokens under `mask`. Returns (1, T, Hq*D) for the layer's output projection."""
+    rows, slots = index
     q = rotate(q.transpose(1, 2), cos, sin)  # (1, Hq, T, D)
     k = rotate(k.transpose(1, 2), cos, sin)  # (1, Hkv, T, D)
     v = v.transpose(1, 2)  # (1, Hkv, T, D)
     k_cache[rows, :, slots] = k[0].transpose(0, 1)  # (T, Hkv, D)
     v_cache[rows, :, slots] = v[0].transpose(0, 1)
     y = layer_attention(layer, q, k, v, mask, kernel=True)  # (1, Hq, T, D)
-    return layer_out(layer, x, y.transpose(1, 2).flatten(2), fused)
+    return y.transpose(1, 2).flatten(2)
 
 
 def pack_masks(pack: Tensor, windows: Sequence[int | None], groups: int) -> list[Tensor]:

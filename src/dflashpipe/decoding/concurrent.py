@@ -51,6 +51,7 @@ from torch import Tensor, nn
 
 from dflashpipe.decoding.batched_step import (
     default_pack,
+    pack_attend,
     pack_forward,
     pack_lengths,
     pack_masks,
@@ -108,11 +109,22 @@ def rows_layer(
     the rows' own slots (index_put_, as the batched engine writes), attention over each row's
     buffer (N, Hkv, C, D) under its mask."""
     q, k, v = layer_qkv(layer, x, fused)  # (N, Q, Hq, D), (N, Q, Hkv, D)
+    return layer_out(layer, x, rows_attend(layer, q, k, v, k_cache, v_cache, cos, sin, index,
+                                           mask), fused)  # fmt: skip
+
+
+def rows_attend(
+    layer: nn.Module, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
+    cos: Tensor, sin: Tensor, index: tuple[Tensor, Tensor], mask: Tensor,
+) -> Tensor:  # fmt: skip
+    """rows_layer's attention over the rows' projections q (N, Q, Hq, D), k / v (N, Q, Hkv, D):
+    the rotated K/V written at the rows' slots, the queries attending over each row's buffer
+    under its mask. Returns (N, Q, Hq*D) for the layer's output projection."""
     rows, slots = index
     k_cache[rows, :, slots] = rotate(k, cos, sin)  # (N, Q, Hkv, D)
     v_cache[rows, :, slots] = v
     y = layer_attention(layer, rotate(q, cos, sin).transpose(1, 2), k_cache, v_cache, mask)
-    return layer_out(layer, x, y.transpose(1, 2).flatten(2), fused)
+    return y.transpose(1, 2).flatten(2)
 
 
 def mixed_layer(
@@ -122,29 +134,19 @@ def mixed_layer(
 ) -> Tensor:  # fmt: skip
     """`rows_layer` and `prefill_layer` through one pass of the layer's matmuls: x (N*Q + T, H)
     is the rows' Q tokens each, flattened, then a refill pack's T tokens (a step that refills,
-    as a serving engine mixes prefill into its decode batch). The rows' K/V go to the rows'
-    slots of the buffers (rows + 1, Hkv, C, D) and their queries attend over them under `mask`;
-    the pack's K/V go to (row, position) = pack_index and its queries attend among the pack's
-    own tokens under `pack_mask`. The pack is written after the rows: a refilled row idles in
-    this step's rows part, which writes its first slots."""
-    rows, slots = index
-    N, Q = slots.shape
+    as a serving engine mixes prefill into its decode batch). The rows' part (`rows_attend`)
+    writes and reads the first N rows of the buffers (rows + 1, Hkv, C, D); the pack's part
+    (`pack_attend`) writes at (row, position) = pack_index and attends among the pack's own
+    tokens under `pack_mask`. The pack is written after the rows: a refilled row idles in this
+    step's rows part, which writes its first slots."""
+    N, Q = index[1].shape
     n = N * Q
     q, k, v = layer_qkv(layer, x, fused)  # (M, Hq, D), (M, Hkv, D)
-    k_cache[rows, :, slots] = rotate(k[:n].unflatten(0, (N, Q)), cos, sin)  # (N, Q, Hkv, D)
-    v_cache[rows, :, slots] = v[:n].unflatten(0, (N, Q))
-    pcos, psin = pack_rope  # (T, D)
-    qp = rotate(q[n:].transpose(0, 1), pcos, psin)[None]  # (1, Hq, T, D)
-    kp = rotate(k[n:].transpose(0, 1), pcos, psin)  # (Hkv, T, D)
-    vp = v[n:].transpose(0, 1)
-    prow, ppos = pack_index
-    k_cache[prow, :, ppos] = kp.transpose(0, 1)  # (T, Hkv, D)
-    v_cache[prow, :, ppos] = vp.transpose(0, 1)
-    qr = rotate(q[:n].unflatten(0, (N, Q)), cos, sin).transpose(1, 2)  # (N, Hq, Q, D)
-    yr = layer_attention(layer, qr, k_cache[:N], v_cache[:N], mask)  # (N, Hq, Q, D)
-    yp = layer_attention(layer, qp, kp[None], vp[None], pack_mask, kernel=True)  # (1, Hq, T, D)
-    y = torch.cat([yr.transpose(1, 2).flatten(0, 1), yp[0].transpose(0, 1)])  # (M, Hq, D)
-    return layer_out(layer, x, y.flatten(1), fused)
+    qr, kr, vr = (t[:n].unflatten(0, (N, Q)) for t in (q, k, v))
+    yr = rows_attend(layer, qr, kr, vr, k_cache[:N], v_cache[:N], cos, sin, index, mask)
+    yp = pack_attend(layer, q[None, n:], k[None, n:], v[None, n:], k_cache, v_cache, *pack_rope,
+                     pack_index, pack_mask)  # fmt: skip
+    return layer_out(layer, x, torch.cat([yr.flatten(0, 1), yp[0]]), fused)
 
 
 def rows_drafter_inputs(
