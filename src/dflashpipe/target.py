@@ -20,7 +20,7 @@ from pathlib import Path
 import safetensors.torch
 import torch
 
-from dflashpipe import attention, storage, transformers_support
+from dflashpipe import attention, gguf_tokenizer, storage, transformers_support
 from dflashpipe.chat import apply_template_choice, prompt_format
 from dflashpipe.config import TargetConfig
 from dflashpipe.errors import DataError
@@ -28,6 +28,10 @@ from dflashpipe.errors import DataError
 log = logging.getLogger(__name__)
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt")
+# what gguf_cache's directories hold, as a version in their names: a new one converts again
+# (2: tokenizers checked, gguf_tokenizer.py; version 1's Gemma tokenizers from transformers 5.17
+# split every character)
+CONVERSION = 2
 
 
 @dataclass(frozen=True)
@@ -72,14 +76,15 @@ def gguf_cache(cfg: TargetConfig) -> Path | None:
     """For a local GGUF target: an HF directory with its dequantized float32 weights, config and
     tokenizer, made on first use and shared by every later load. Parsing a GGUF costs 15-40 s
     per load (config, tokenizer and weights each parse it), a job's whole budget on a small
-    target; the directory loads in about a second. Keyed by the GGUF's sha256 under
-    storage.CACHE_DIR ($DFLASHPIPE_CACHE, default ~/.cache/dflashpipe); None for other targets."""
+    target; the directory loads in about a second. Keyed by the GGUF's sha256 and CONVERSION
+    under storage.CACHE_DIR ($DFLASHPIPE_CACHE, default ~/.cache/dflashpipe); None for other
+    targets."""
     if not cfg.gguf_file or not _is_local(cfg):
         return None
     gguf = Path(cfg.model) / cfg.gguf_file
     if not gguf.is_file():
         raise DataError(f"target GGUF file {gguf} does not exist (run `snakemake resources`?)")
-    final = storage.CACHE_DIR / "gguf" / _file_sha256(gguf)
+    final = storage.CACHE_DIR / "gguf" / f"{_file_sha256(gguf)}.v{CONVERSION}"
     if (final / "config.json").is_file():
         return final
     log.info("converting %s to %s (once)", gguf, final)
@@ -100,7 +105,9 @@ def _convert_gguf(cfg: TargetConfig, final: Path) -> None:
     try:
         kwargs = {"gguf_file": cfg.gguf_file, "local_files_only": True}
         try:
-            tok = AutoTokenizer.from_pretrained(cfg.model, **kwargs)
+            tok = gguf_tokenizer.checked(
+                AutoTokenizer.from_pretrained(cfg.model, **kwargs), Path(cfg.model) / cfg.gguf_file
+            )
             model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32, **kwargs)
         except (OSError, ValueError, ImportError) as e:
             raise DataError(f"cannot load target {Path(cfg.model) / cfg.gguf_file}: {e}") from None
