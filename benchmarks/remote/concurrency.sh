@@ -8,7 +8,9 @@
 # benchmarks/remote/concurrency.yaml on top decodes them one at a time and c at a time per level.
 # /tmp/conc gets concurrency.json, evaluate.log, cc.tar.zst (the compile bundles this machine
 # saved, evaluate's included: a few MB of zstd, for `pack.sh compile DIR` to carry next time) and
-# DONE (holding the exit status); copy them into $OUT on a later call.
+# DONE (holding the exit status); copy them into $OUT on a later call. RECIPE=FILE: another
+# recipe than configs/smollm2-sharegpt.yaml (e.g. Gemma 3's kept drafter evaluated as its recipe
+# says: RECIPE=configs/gemma3-270m-quality.yaml ... concurrency.sh benchmarks/quality/gemma3.yaml).
 cd "$(dirname "$0")/../.." && . benchmarks/remote/setup.sh >/dev/null
 C=${CONC_OUT:-/tmp/conc}; mkdir -p $C
 D=$(ls /tmp/xfer/drafter-*.tar.zst.[0-9]* 2>/dev/null || ls /tmp/xfer/drafter-*.tar.zst)  # parts or joined
@@ -21,7 +23,7 @@ python3 - "$@" <<'PY' > $C/config.yaml
 import os, sys, yaml
 sys.path.insert(0, "benchmarks")
 from quality import merged_configs
-raw = merged_configs(["configs/smollm2-sharegpt.yaml", *sys.argv[1:]])
+raw = merged_configs([os.environ.get("RECIPE", "configs/smollm2-sharegpt.yaml"), *sys.argv[1:]])
 raw["target"]["model"] = os.path.realpath(raw["target"]["model"])
 print(yaml.safe_dump(raw))
 PY
