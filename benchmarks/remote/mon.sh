@@ -3,11 +3,12 @@
 # are done or SECONDS pass; then the table, and their small files bundled into $OUT/q.tar.gz.
 # KEEP="main stdlib-answers" also brings those runs' regenerated answers back in $OUT (parts of
 # <= 15 MB in /tmp/q/keep, quality.py --keep; the first 4 beside the (up to four) other files it
-# returns, the rest named for a later call to copy). CC=1 also returns the torch.compile bundles
-# the runs saved (/tmp/cc, as one zstd tar cc.tar.zst: `pack.sh compile DIR` carries them to the
-# next machine). DRAFTER=VARIANT also returns that run's exported drafter as a zstd tar of
-# drafter/ in parts of 15 MB (drafter-VARIANT.tar.zst.00, .01, ...: `cat` them; concurrency.sh
-# takes the joined tar).
+# returns, the rest named for a later call to copy). BUNDLES=1 also returns the torch.compile
+# bundles the runs saved (/tmp/cc, as one zstd tar cc.tar.zst: `pack.sh compile DIR` carries them
+# to the next machine; it was CC=1 until the twenty-first session found that the GPU machine
+# exports CC, the C compiler, so every call returned them). DRAFTER=VARIANT also returns that
+# run's exported drafter as a zstd tar of drafter/ in parts of 15 MB (drafter-VARIANT.tar.zst.00,
+# .01, ...: `cat` them; concurrency.sh takes the joined tar).
 cd "$(dirname "$0")/../.." && . benchmarks/remote/setup.sh >/dev/null
 end=$((SECONDS + $1))
 if ! ls -d /tmp/runs/quality-* >/dev/null 2>&1; then  # a fresh machine: the warm one was handed back
@@ -36,7 +37,7 @@ status
 python3 benchmarks/quality.py --table --runs /tmp/runs --out $OUT/rows.json --bundle $OUT/q.tar.gz
 cat /tmp/q/*.out > $OUT/drivers.out 2>/dev/null
 [ -f /tmp/q/steps.json ] && cp /tmp/q/steps.json $OUT/  # bg.sh STEPS=...
-if [ -n "${CC:-}" ] && ls /tmp/cc/*.torchcompile >/dev/null 2>&1; then  # CC=1: the compile bundles
+if [ -n "${BUNDLES:-}" ] && ls /tmp/cc/*.torchcompile >/dev/null 2>&1; then  # BUNDLES=1: the compile bundles
   # in one zstd tar: they shrink about 29x (regenerate's 14.4 MB to 0.5 MB), under a returned
   # file's 16 MiB and a carry's 64 MiB together
   bundles > $OUT/cc.tar.zst

@@ -16,7 +16,7 @@
 # `pack.sh gemma`: Gemma 3 270M's GGUF (configs/gemma3-270m-quality.yaml, 253 MB, retrieved
 # here) in five parts .remote/g1..g5 of about 51 MB, one carry each, beside a/b/c's wheels and
 # prompts; setup.sh joins them once all five are there and checks the config's sha256.
-# `pack.sh compile DIR...`: the compile-cache bundles an earlier machine saved (mon.sh CC=1
+# `pack.sh compile DIR...`: the compile-cache bundles an earlier machine saved (mon.sh BUNDLES=1
 # returns them as DIR/cc.tar.zst, a few MB) into .remote/cc, carried beside a part or alone;
 # setup.sh unpacks them where DFLASHPIPE_COMPILE_CACHE points.
 # `pack.sh tests`: pytest and what it needs beyond the GPU machine's packages (this machine's
