@@ -65,6 +65,19 @@ def test_loader_benchmark_smoke(tmp_path):
     assert all(r["ms_per_batch"] > 0 and r["x_step"] > 0 for r in rows.values())
 
 
+def test_draw_benchmark_times_greedy_and_sampled_steps_at_both_vocabularies(tmp_path):
+    """The step's token choice (batched_step.advance) greedy and top-p sampled, for each recipe's
+    vocabulary: the sampled step does the greedy one's work and the draw on top."""
+    out = tmp_path / "draw.json"
+    rows = _script("draw").main(["--smoke", "--out", str(out)])
+    assert [r["shape"] for r in rows] == ["smollm2", "gemma3"]
+    assert rows[0]["vocab"] < rows[1]["vocab"]
+    for r in rows:
+        assert r["greedy_ms"] > 0 and r["sampled_ms"] > 0
+        assert r["sampling_adds_ms"] == pytest.approx(r["sampled_ms"] - r["greedy_ms"])
+    assert json.loads(out.read_text())["rows"] == rows
+
+
 def test_codecs_benchmark_on_a_shard(tmp_path):
     """Bytes per token and error per layer for fp8, fp4 at each group size and the
     alternatives, from a shard's states (random here, with one massive channel)."""
