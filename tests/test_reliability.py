@@ -322,11 +322,16 @@ def test_killed_snakemake_resumes(tmp_path, tiny_target_dir, data_dir):
     kills = int(os.environ.get("DFLASHPIPE_SNAKEMAKE_KILLS", "2"))
     work = tmp_path / "killed"
     work.mkdir()
-    report = []
+    report, spent = [], 0.0
     for i in range(kills):
-        # an attempt resumes where the last one stopped, so its kill lands later in the workflow;
-        # a delay under half the whole run's time leaves every attempt work to be cut short in
-        delay = rng.uniform(0.1, 0.9) / kills * took
+        # an attempt resumes where the last one stopped, so its kill lands later in the workflow.
+        # The earlier attempts ran `spent` seconds, so at least took - spent of the work is left
+        # (a kill loses its running jobs' part): a delay under half of that leaves the attempt
+        # work to be cut short in, also where the reference run was twice as slow as this one
+        # (CI's other tests beside it). A draw under half the whole run's time did not: the
+        # second attempt once finished before its kill.
+        delay = rng.uniform(0.1, 0.9) * (took - spent) / 2
+        spent += delay
         p = _snakemake(work, config, *(RESUME_FLAGS if i else ()))
         time.sleep(delay)
         assert p.poll() is None, f"attempt {i} finished before its kill at {delay:.1f} s"
