@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from dflashpipe.decoding.batched_step import advance
+from dflashpipe.decoding.batched_step import advance, decode_state
 from dflashpipe.decoding.sampling import Sampling
 
 SHAPES = {"smollm2": (576, 49_152), "gemma3": (640, 262_144)}
@@ -35,18 +35,16 @@ RECIPE_SAMPLING = Sampling(temperature=0.7, top_p=0.95)
 
 
 def state(rows: int, capacity: int, device: torch.device) -> dict[str, torch.Tensor]:
-    """Every row active and sampled, as the engine's state dict (batched.py) holds them."""
-    long = {"dtype": torch.long, "device": device}
-    return {
-        "token": torch.zeros(rows, **long),
-        "length": torch.full((rows,), 100, **long),
-        "produced": torch.full((rows,), 10, **long),
-        "limit": torch.full((rows,), 10**6, **long),  # never reached: every row stays active
-        "active": torch.ones(rows, dtype=torch.bool, device=device),
-        "sampled": torch.ones(rows, dtype=torch.bool, device=device),
-        "uniforms": torch.rand(rows, capacity, device=device),
-        "packed": torch.zeros(3, rows, **long),
-    }
+    """The engine's decode state (batched_step.decode_state) with every row active and sampled,
+    mid-answer, its limit never reached."""
+    s = decode_state(rows, capacity, device)
+    s["length"].fill_(100)
+    s["produced"].fill_(10)
+    s["limit"].fill_(10**6)
+    s["active"].fill_(True)
+    s["sampled"].fill_(True)
+    s["uniforms"].uniform_()
+    return s
 
 
 def timed(fn, repeats: int, device: torch.device) -> float:

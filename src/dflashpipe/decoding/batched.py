@@ -52,6 +52,7 @@ from dflashpipe.decoding.batched_step import (
     decode_inputs,
     decode_layer,
     decode_layer_flex,
+    decode_state,
     default_pack,
     pack_forward,
     pack_lengths,
@@ -178,19 +179,9 @@ class BatchedEngine:
         self.windows = list(dict.fromkeys(per_layer))  # one mask per distinct window
         self.mask_of = [self.windows.index(w) for w in per_layer]
         self.softcap = final_softcap(model.config)
-        long = {"dtype": torch.long, "device": self.device}
-        # Every row's decode state: graph inputs and outputs, updated in place by the step.
-        self.state = {
-            "token": torch.zeros(rows, **long),  # the next input (not cached yet)
-            "length": torch.zeros(rows, **long),  # committed slots = the input's position
-            "produced": torch.zeros(rows, **long),  # answer tokens so far
-            "limit": torch.zeros(rows, **long),  # the request's max_new_tokens
-            "active": torch.zeros(rows, dtype=torch.bool, device=self.device),
-            "sampled": torch.zeros(rows, dtype=torch.bool, device=self.device),
-            "uniforms": torch.zeros(rows, self.capacity, device=self.device),  # (R, C) float32
-            "packed": torch.zeros(3, rows, **long),  # [emitted, token, done]: the read-back
-        }
-        self.stops = torch.full((MAX_STOPS,), -1, **long)  # the call's stop ids; -1 pads
+        # every row's decode state (graph inputs and outputs); the call's stop ids, -1 padded
+        self.state = decode_state(rows, self.capacity, self.device)
+        self.stops = torch.full((MAX_STOPS,), -1, dtype=torch.long, device=self.device)
         # flex reads each row's own blocks: one span, the whole cache
         self.spans = [self.capacity] if self.flex else span_lengths(self.capacity)
         self._prompt = np.zeros(rows, dtype=np.int64)  # per row: its prompt's length; 0: free

@@ -187,6 +187,22 @@ def pack_forward(
     return x, [tapped[i] for i in taps]
 
 
+def decode_state(rows: int, capacity: int, device: torch.device) -> dict[str, Tensor]:
+    """Every row's decode state, idle: the step's graph inputs and outputs, which `advance`
+    updates in place (the engine's, and benchmarks/draw.py's)."""
+    long = {"dtype": torch.long, "device": device}
+    return {
+        "token": torch.zeros(rows, **long),  # the next input (not cached yet)
+        "length": torch.zeros(rows, **long),  # committed slots = the input's position
+        "produced": torch.zeros(rows, **long),  # answer tokens so far
+        "limit": torch.zeros(rows, **long),  # the request's max_new_tokens
+        "active": torch.zeros(rows, dtype=torch.bool, device=device),
+        "sampled": torch.zeros(rows, dtype=torch.bool, device=device),
+        "uniforms": torch.zeros(rows, capacity, device=device),  # (R, C) float32
+        "packed": torch.zeros(3, rows, **long),  # [emitted, token, done]: the read-back
+    }
+
+
 def advance(
     norm: nn.Module, lm_head: nn.Module, x: Tensor, state: dict[str, Tensor], stops: Tensor,
     sampling: Sampling | None, softcap: float | None = None,
