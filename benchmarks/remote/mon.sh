@@ -5,10 +5,9 @@
 # <= 15 MB in /tmp/q/keep, quality.py --keep; the first 4 beside the (up to four) other files it
 # returns, the rest named for a later call to copy). BUNDLES=1 also returns the torch.compile
 # bundles the runs saved (/tmp/cc, as one zstd tar cc.tar.zst: `pack.sh compile DIR` carries them
-# to the next machine; it was CC=1 until the twenty-first session found that the GPU machine
-# exports CC, the C compiler, so every call returned them). DRAFTER=VARIANT also returns that
-# run's exported drafter as a zstd tar of drafter/ in parts of 15 MB (drafter-VARIANT.tar.zst.00,
-# .01, ...: `cat` them; concurrency.sh takes the joined tar).
+# to the next machine; not CC=1: the GPU machine exports CC, the C compiler). DRAFTER=VARIANT
+# also returns that run's exported drafter as a zstd tar of drafter/ in parts of 15 MB
+# (drafter-VARIANT.tar.zst.00, .01, ...: `cat` them; concurrency.sh takes the joined tar).
 cd "$(dirname "$0")/../.." && . benchmarks/remote/setup.sh >/dev/null
 end=$((SECONDS + $1))
 if ! ls -d /tmp/runs/quality-* >/dev/null 2>&1; then  # a fresh machine: the warm one was handed back
