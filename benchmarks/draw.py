@@ -10,7 +10,10 @@ decoding/sampling.draw), timed alone for greedy and sampled steps at the recipes
 does not depend on the values' order enough to matter here), the step's code as the engine
 compiles it (`torch.compile(fullgraph=True)`, fixed shapes; `--eager` without). Each cell: the
 median ms of `--repeats` calls after warm-up, CUDA events on a GPU; the sampled cell's extra ms
-over the greedy one is what top-p sampling adds to each decode step.
+over the greedy one is what top-p sampling adds to each decode step. Then the draw alone on the
+step's logits, both ways: `draw` (the engine's: a sort of each row) and `draw_searched` (the
+nucleus found by a search over the probabilities' bits, no sort), and whether the compiled
+search picks the eager one's tokens.
 
     python benchmarks/draw.py --out $OUT/draw.json       # GPU: both vocabularies
     python benchmarks/draw.py --smoke                    # CPU, tiny shapes: checks the script
@@ -28,7 +31,7 @@ import torch
 from torch import nn
 
 from dflashpipe.decoding.batched_step import advance, decode_state
-from dflashpipe.decoding.sampling import Sampling
+from dflashpipe.decoding.sampling import Sampling, draw, draw_searched
 
 SHAPES = {"smollm2": (576, 49_152), "gemma3": (640, 262_144)}
 RECIPE_SAMPLING = Sampling(temperature=0.7, top_p=0.95)
@@ -86,6 +89,18 @@ def cell(name: str, hidden: int, vocab: int, rows: int, args, device) -> dict:
             out[f"{kind}_ms"] = timed(fn, args.repeats, device)
     out["sampling_adds_ms"] = out["sampled_ms"] - out["greedy_ms"]
     out["sampled_over_greedy"] = out["sampled_ms"] / out["greedy_ms"]
+    # the draw alone on the step's logits: the engine's sort, and the nucleus search without one
+    with torch.no_grad():
+        logits = lm_head(norm(x)).float()
+        u = torch.rand(rows, device=device)
+        for kind, fn in (("sort", draw), ("search", draw_searched)):
+            run = fn if args.eager else torch.compile(fn, fullgraph=True, dynamic=False)
+            out[f"draw_{kind}_ms"] = timed(lambda run=run: run(logits, u, RECIPE_SAMPLING),
+                                           args.repeats, device)  # fmt: skip
+            if kind == "search":  # the compiled search picks what the eager one does
+                tokens = run(logits, u, RECIPE_SAMPLING)
+                out["search_as_eager"] = bool((tokens == fn(logits, u, RECIPE_SAMPLING)).all())
+    out["search_over_sort"] = out["draw_search_ms"] / out["draw_sort_ms"]
     return out
 
 
@@ -105,10 +120,13 @@ def main(argv=None) -> list[dict]:
     rows = [cell(name, h, v, args.rows, args, device) for name, (h, v) in shapes.items()]
     card = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     print(f"{card}, {args.rows} rows, {'eager' if args.eager else 'compiled'}")
-    print(f"{'shape':8} {'vocab':>8} {'greedy ms':>10} {'sampled ms':>11} {'adds ms':>8} {'x':>6}")
+    print(f"{'shape':8} {'vocab':>8} {'greedy ms':>10} {'sampled ms':>11} {'adds ms':>8} {'x':>6}"
+          f" {'sort ms':>8} {'search ms':>10} {'x':>6} {'as eager':>9}")  # fmt: skip
     for r in rows:
         print(f"{r['shape']:8} {r['vocab']:>8} {r['greedy_ms']:>10.3f} {r['sampled_ms']:>11.3f} "
-              f"{r['sampling_adds_ms']:>8.3f} {r['sampled_over_greedy']:>6.2f}")  # fmt: skip
+              f"{r['sampling_adds_ms']:>8.3f} {r['sampled_over_greedy']:>6.2f} "
+              f"{r['draw_sort_ms']:>8.3f} {r['draw_search_ms']:>10.3f} "
+              f"{r['search_over_sort']:>6.2f} {r['search_as_eager']!s:>9}")  # fmt: skip
     if args.out:
         Path(args.out).write_text(json.dumps({"card": card, "args": vars(args), "rows": rows}))
     return rows

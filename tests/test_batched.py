@@ -384,17 +384,21 @@ def test_an_unsupported_family_is_refused_by_static_and_falls_back_on_auto(
     assert pq.read_table(tmp_path / "a.parquet").schema.metadata[b"engine"] == b"hf"
 
 
-def test_draw_follows_temperature_top_k_and_top_p():
-    """Evenly spread uniforms land on each token as often as its probability after the filters."""
-    from dflashpipe.decoding.sampling import draw
+@pytest.mark.parametrize("how", ["draw", "draw_searched"])
+def test_draw_follows_temperature_top_k_and_top_p(how):
+    """Evenly spread uniforms land on each token as often as its probability after the filters,
+    for the sort's draw and the nucleus search's."""
+    from dflashpipe.decoding import sampling
 
+    draw = getattr(sampling, how)
     probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    where = torch.tensor([2, 0, 3, 1])  # the vocabulary's order is not the probabilities'
     u = (torch.arange(1000) + 0.5) / 1000  # (1000,)
-    logits = probs.log().expand(1000, 4)
+    logits = torch.empty(4).scatter_(0, where, probs.log()).expand(1000, 4)
 
-    def shares(**kw) -> list[float]:
+    def shares(**kw) -> list[float]:  # each probability's share, likeliest first
         tokens = draw(logits, u, Sampling(**kw))
-        return (torch.bincount(tokens, minlength=4) / 1000).tolist()
+        return (torch.bincount(tokens, minlength=4)[where] / 1000).tolist()
 
     assert shares() == pytest.approx([0.5, 0.3, 0.15, 0.05], abs=2e-3)
     assert shares(top_k=2) == pytest.approx([0.625, 0.375, 0, 0], abs=2e-3)
@@ -402,3 +406,22 @@ def test_draw_follows_temperature_top_k_and_top_p():
     assert shares(top_p=0.81) == pytest.approx([0.5 / 0.95, 0.3 / 0.95, 0.15 / 0.95, 0], abs=2e-3)
     hot = probs.pow(0.5) / probs.pow(0.5).sum()  # temperature 2: p^(1/2), renormalized
     assert shares(temperature=2.0) == pytest.approx(hot.tolist(), abs=2e-3)
+
+
+def test_the_nucleus_search_keeps_what_the_sort_keeps():
+    """nucleus_floor's tokens (probability >= the floor) are the sort's top-p nucleus on rows
+    from peaked to flat (1 to about 4,700 of 5,000 tokens kept), and every token tied at the
+    nucleus' edge is kept."""
+    from dflashpipe.decoding.sampling import nucleus_floor
+
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(64, 5000, generator=g) * torch.logspace(-1, 1.3, 64)[:, None]
+    for top_p in (0.5, 0.9, 0.95):
+        probs = logits.softmax(-1)
+        ordered, ids = probs.sort(-1, descending=True)
+        kept = torch.zeros_like(probs, dtype=torch.bool)
+        kept.scatter_(-1, ids, ordered.cumsum(-1) - ordered < top_p)
+        assert torch.equal(probs.view(torch.int32) >= nucleus_floor(probs, top_p), kept)
+        assert kept.sum(-1).min() == 1 and kept.sum(-1).max() > 2000
+    tied = torch.tensor([[0.4, 0.2, 0.2, 0.2]])  # 0.4 + one 0.2 reach 0.5: both 0.2s tied with it
+    assert (tied.view(torch.int32) >= nucleus_floor(tied, 0.5)).tolist() == [[True] * 4]

@@ -4,7 +4,8 @@
 # named; CONC_OUT=DIR for another folder than /tmp/conc, e.g. a second cell's), alone on
 # the card (its speeds are the figures). A drafter kept from an earlier machine (drafter-*.tar.zst,
 # a zstd tar of drafter/, or mon.sh DRAFTER=...'s parts of it) and the eval prompts (eval.parquet)
-# travel in a .remote/k* folder and land in /tmp/xfer; the recipe's evaluate with
+# travel in a .remote/k* folder and land in /tmp/xfer (DRAFTER=VARIANT picks drafter-VARIANT.* where
+# several came); the recipe's evaluate with
 # benchmarks/remote/concurrency.yaml on top decodes them one at a time and c at a time per level.
 # /tmp/conc gets concurrency.json, evaluate.log, cc.tar.zst (the compile bundles this machine
 # saved, evaluate's included: a few MB of zstd, for `pack.sh compile DIR` to carry next time) and
@@ -13,7 +14,12 @@
 # says: RECIPE=configs/gemma3-270m-quality.yaml ... concurrency.sh benchmarks/quality/gemma3.yaml).
 cd "$(dirname "$0")/../.." && . benchmarks/remote/setup.sh >/dev/null
 C=${CONC_OUT:-/tmp/conc}; mkdir -p $C
-D=$(ls /tmp/xfer/drafter-*.tar.zst.[0-9]* 2>/dev/null || ls /tmp/xfer/drafter-*.tar.zst)  # parts or joined
+N=${DRAFTER:-*}  # DRAFTER=VARIANT: that run's drafter, where the machine holds several
+D=$(ls /tmp/xfer/drafter-$N.tar.zst.[0-9]* 2>/dev/null || ls /tmp/xfer/drafter-$N.tar.zst)  # parts or joined
+if [ -z "$D" ] || [ "$(printf '%s\n' $D | sed 's/[.][0-9]*$//' | sort -u | wc -l)" != 1 ]; then
+  echo "concurrency.sh: $(echo $D | wc -w) drafter files match drafter-$N.tar.zst*; name one with DRAFTER=" >&2
+  mkdir -p $C && echo 2 > $C/DONE; exit 2
+fi
 cat $D | unzst | tar x -C $C
 [ $# -gt 0 ] || set -- benchmarks/remote/concurrency.yaml
 # target.model as the real path setup.sh links resources/ to: a later call's copy of the working
