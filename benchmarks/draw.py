@@ -11,9 +11,10 @@ does not depend on the values' order enough to matter here), the step's code as 
 compiles it (`torch.compile(fullgraph=True)`, fixed shapes; `--eager` without). Each cell: the
 median ms of `--repeats` calls after warm-up, CUDA events on a GPU; the sampled cell's extra ms
 over the greedy one is what top-p sampling adds to each decode step. Then the draw alone on the
-step's logits, both ways: `draw` (the engine's: a sort of each row) and `draw_searched` (the
-nucleus found by a search over the probabilities' bits, no sort), and whether the compiled
-search picks the eager one's tokens.
+step's logits: `draw` (the engine's: a sort of each row), `draw_searched` (the nucleus found by
+a search over the probabilities' bits, no sort), whether the compiled search picks the eager
+one's tokens, and `draw` with top-k 50 before top-p (a top-k of each row instead of a sort: what
+a recipe that sets `regenerate.top_k` pays).
 
     python benchmarks/draw.py --out $OUT/draw.json       # GPU: both vocabularies
     python benchmarks/draw.py --smoke                    # CPU, tiny shapes: checks the script
@@ -35,6 +36,7 @@ from dflashpipe.decoding.sampling import Sampling, draw, draw_searched
 
 SHAPES = {"smollm2": (576, 49_152), "gemma3": (640, 262_144)}
 RECIPE_SAMPLING = Sampling(temperature=0.7, top_p=0.95)
+TOP_K_SAMPLING = Sampling(temperature=0.7, top_p=0.95, top_k=50)  # generate()'s default top_k
 
 
 def state(rows: int, capacity: int, device: torch.device) -> dict[str, torch.Tensor]:
@@ -93,9 +95,11 @@ def cell(name: str, hidden: int, vocab: int, rows: int, args, device) -> dict:
     with torch.no_grad():
         logits = lm_head(norm(x)).float()
         u = torch.rand(rows, device=device)
-        for kind, fn in (("sort", draw), ("search", draw_searched)):
+        for kind, fn, sampling in (("sort", draw, RECIPE_SAMPLING),
+                                   ("search", draw_searched, RECIPE_SAMPLING),
+                                   ("topk", draw, TOP_K_SAMPLING)):  # fmt: skip
             run = fn if args.eager else torch.compile(fn, fullgraph=True, dynamic=False)
-            out[f"draw_{kind}_ms"] = timed(lambda run=run: run(logits, u, RECIPE_SAMPLING),
+            out[f"draw_{kind}_ms"] = timed(lambda run=run, sampling=sampling: run(logits, u, sampling),
                                            args.repeats, device)  # fmt: skip
             if kind == "search":  # the compiled search picks what the eager one does
                 tokens = run(logits, u, RECIPE_SAMPLING)
@@ -121,12 +125,12 @@ def main(argv=None) -> list[dict]:
     card = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     print(f"{card}, {args.rows} rows, {'eager' if args.eager else 'compiled'}")
     print(f"{'shape':8} {'vocab':>8} {'greedy ms':>10} {'sampled ms':>11} {'adds ms':>8} {'x':>6}"
-          f" {'sort ms':>8} {'search ms':>10} {'x':>6} {'as eager':>9}")  # fmt: skip
+          f" {'sort ms':>8} {'search ms':>10} {'x':>6} {'as eager':>9} {'top-k ms':>9}")  # fmt: skip
     for r in rows:
         print(f"{r['shape']:8} {r['vocab']:>8} {r['greedy_ms']:>10.3f} {r['sampled_ms']:>11.3f} "
               f"{r['sampling_adds_ms']:>8.3f} {r['sampled_over_greedy']:>6.2f} "
               f"{r['draw_sort_ms']:>8.3f} {r['draw_search_ms']:>10.3f} "
-              f"{r['search_over_sort']:>6.2f} {r['search_as_eager']!s:>9}")  # fmt: skip
+              f"{r['search_over_sort']:>6.2f} {r['search_as_eager']!s:>9} {r['draw_topk_ms']:>9.3f}")  # fmt: skip
     if args.out:
         Path(args.out).write_text(json.dumps({"card": card, "args": vars(args), "rows": rows}))
     return rows

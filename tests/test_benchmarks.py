@@ -75,7 +75,8 @@ def test_draw_benchmark_times_greedy_and_sampled_steps_at_both_vocabularies(tmp_
     for r in rows:
         assert r["greedy_ms"] > 0 and r["sampled_ms"] > 0
         assert r["sampling_adds_ms"] == pytest.approx(r["sampled_ms"] - r["greedy_ms"])
-        assert r["draw_sort_ms"] > 0 and r["draw_search_ms"] > 0 and r["search_as_eager"]
+        assert min(r["draw_sort_ms"], r["draw_search_ms"], r["draw_topk_ms"]) > 0
+        assert r["search_as_eager"]
     assert json.loads(out.read_text())["rows"] == rows
 
 
