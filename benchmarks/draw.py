@@ -102,8 +102,8 @@ def cell(name: str, hidden: int, vocab: int, rows: int, args, device) -> dict:
             out[f"draw_{kind}_ms"] = timed(lambda run=run, sampling=sampling: run(logits, u, sampling),
                                            args.repeats, device)  # fmt: skip
             if kind == "search":  # the compiled search picks what the eager one does
-                tokens = run(logits, u, RECIPE_SAMPLING)
-                out["search_as_eager"] = bool((tokens == fn(logits, u, RECIPE_SAMPLING)).all())
+                tokens = run(logits, u, sampling)
+                out["search_as_eager"] = bool((tokens == fn(logits, u, sampling)).all())
     out["search_over_sort"] = out["draw_search_ms"] / out["draw_sort_ms"]
     return out
 

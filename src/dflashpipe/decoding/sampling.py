@@ -30,7 +30,9 @@ class Sampling:
 
 
 SEARCH_WAYS = 16  # thresholds tried per pass of `nucleus_floor`'s search (15 masked sums)
-SEARCH_PASSES = 8  # 16**8 = 2**32 > the bit patterns of non-negative float32 values
+# passes until one bit pattern is left: non-negative float32 values span fewer than 2**31 patterns,
+# and each pass keeps 1/SEARCH_WAYS of them (a power of two), rounded up
+SEARCH_PASSES = -(-31 // (SEARCH_WAYS.bit_length() - 1))
 
 
 def nucleus_floor(probs: Tensor, top_p: float) -> Tensor:
