@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 import tarfile
+from fnmatch import fnmatch
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -338,13 +339,66 @@ def test_pack_sh_puts_kept_answers_in_the_fewest_carries(tmp_path):
                    env=env, check=True, capture_output=True)  # fmt: skip
     folders = sorted(out.glob("k*"))
     assert [f.name for f in folders] == ["k1", "k2"]
-    tree = subprocess.run("git ls-files -z -co --exclude-standard | du -cb --files0-from=- | "
-                          "tail -1 | cut -f1", shell=True, cwd=REPO, capture_output=True,
-                          text=True, check=True).stdout  # fmt: skip
+    tree = _carried_bytes(REPO)
     for folder in folders:
-        assert sum(f.stat().st_size for f in folder.iterdir()) + int(tree) <= 64 * 2**20
+        assert sum(f.stat().st_size for f in folder.iterdir()) + tree <= 64 * 2**20
     packed = sorted(f.name for folder in folders for f in folder.iterdir())
     assert packed == sorted(f.name for f in kept.iterdir())
+
+
+def _carried_bytes(root: Path) -> int:
+    """What a device call carries beside a part: git's tracked and untracked-not-ignored files
+    in a checkout; in a source tree without .git, every file but those under a name or glob
+    .gitignore lists (pack.sh's measure, computed apart from it)."""
+    if (root / ".git").exists():
+        listed = subprocess.run(["git", "ls-files", "-z", "-co", "--exclude-standard"],
+                                cwd=root, capture_output=True, check=True).stdout  # fmt: skip
+        files = [root / name for name in listed.decode().split("\0") if name]
+        return sum(f.lstat().st_size for f in files if f.is_file() or f.is_symlink())
+    lines = (root / ".gitignore").read_text().splitlines()
+    ignored = [line.rstrip("/") for line in lines if line.strip() and not line.startswith("#")]
+    total = 0
+    for folder, dirs, names in os.walk(root):
+        dirs[:] = [d for d in dirs if d != ".git" and not any(fnmatch(d, i) for i in ignored)]
+        kept = [n for n in names if not any(fnmatch(n, i) for i in ignored)]
+        total += sum((Path(folder) / n).lstat().st_size for n in kept)
+    return total
+
+
+def test_pack_sh_measures_a_source_tree_without_git(tmp_path):
+    """A `git archive` tree (a source tarball) has no .git: `pack.sh answers` measured the tree
+    with `git ls-files` and failed (exit 128, issue 60). It now counts every file but those
+    .gitignore names: results/ and .venv/ here would leave no room at all, and the 10 MB of
+    source decide the packing (without them the three parts would share one carry)."""
+    tree = tmp_path / "tree"
+    (tree / "benchmarks" / "remote").mkdir(parents=True)
+    shutil.copy(REPO / "benchmarks" / "remote" / "pack.sh", tree / "benchmarks" / "remote")
+    shutil.copy(REPO / ".gitignore", tree)
+    sizes = {"src/model.bin": 10_000_000, "results/features.bin": 60_000_000,
+             ".venv/torch.so": 60_000_000, "src/__pycache__/model.pyc": 60_000_000}  # fmt: skip
+    for name, size in sizes.items():
+        (tree / name).parent.mkdir(parents=True, exist_ok=True)
+        with open(tree / name, "wb") as f:
+            f.truncate(size)  # sparse: du -b counts the size
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    for i, size in enumerate([30_000_000, 30_000_000, 5_000_000]):
+        with open(kept / f"answers-main-0123456789abcdef.part-{i:02d}", "wb") as f:
+            f.truncate(size)
+    out = tmp_path / "remote"
+    done = subprocess.run(["bash", "benchmarks/remote/pack.sh", "answers", str(kept)], cwd=tree,
+                          env={**os.environ, "PACK_OUT": str(out)}, capture_output=True,
+                          text=True)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    carried = _carried_bytes(tree)
+    assert 10_000_000 < carried < 10_100_000
+    packed = {f.name: sorted(p.name[-2:] for p in f.iterdir()) for f in out.glob("k*")}
+    assert packed == {"k1": ["00", "02"], "k2": ["01"]}  # 30 + 5 MB and 30 MB beside 10 MB
+    (tree / ".gitignore").write_text("results/\n!results/keep\n")
+    done = subprocess.run(["bash", "benchmarks/remote/pack.sh", "answers", str(kept)], cwd=tree,
+                          env={**os.environ, "PACK_OUT": str(out)}, capture_output=True,
+                          text=True)  # fmt: skip
+    assert done.returncode != 0 and "'!results/keep' needs git" in done.stderr
 
 
 def test_a_lever_cell_stacks_a_tau_only_evaluate_under_its_change():

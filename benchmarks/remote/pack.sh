@@ -26,6 +26,27 @@
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 R=${PACK_OUT:-.remote}   # PACK_OUT: another folder for the parts (the tests)
+# The bytes a call carries beside a part: the working tree, tracked and untracked-not-ignored
+# files. A source tree without .git (a `git archive` tarball) has no index to ask: there every
+# file counts but those under a name .gitignore lists (a name or glob, matched at any depth as
+# git does); a pattern with a slash inside or a negation is refused rather than mis-measured.
+tree_bytes() {
+  if [ "$(git rev-parse --show-toplevel 2>/dev/null)" = "$(pwd -P)" ]; then
+    git ls-files -z -co --exclude-standard
+  else
+    local skip=(-name .git -prune) p
+    while IFS= read -r p || [ -n "$p" ]; do
+      case $p in ''|'#'*) continue ;; esac
+      p=${p%/}
+      case $p in */*|'!'*)
+        echo "pack.sh: .gitignore pattern '$p' needs git to measure the tree; run it in a checkout" >&2
+        return 1 ;;
+      esac
+      skip+=(-o -name "$p" -prune)
+    done < .gitignore
+    find . \( "${skip[@]}" \) -o -type f -print0
+  fi | du -cb --files0-from=- | tail -1 | cut -f1
+}
 if [ "${1:-}" = gemma ]; then
   G=resources/gemma3/gemma-3-270m-q4_k_m.gguf
   rm -rf $R/g*; size=$(stat -c %s $G); part=$(( (size + 4) / 5 ))
@@ -49,7 +70,7 @@ if [ "${1:-}" = compile ]; then
 fi
 if [ "${1:-}" = answers ]; then   # first fit, largest parts first: the fewest carries
   shift; rm -rf $R/k*
-  tree=$(git ls-files -z -co --exclude-standard | du -cb --files0-from=- | tail -1 | cut -f1)
+  tree=$(tree_bytes)
   python3 - $R $((67108864 - tree - 1000000)) "$@" <<'PY'
 import shutil, sys
 from pathlib import Path
@@ -84,7 +105,7 @@ head -c $head_bytes $R/gguf.zst > $R/a/gguf.zst.0
 tail -c +$((head_bytes + 1)) $R/gguf.zst > $R/b/gguf.zst.1
 rm $R/gguf.zst
 # a call carries its part beside the working tree (tracked and untracked-not-ignored files)
-tree=$(git ls-files -z -co --exclude-standard | du -cb --files0-from=- | tail -1 | cut -f1)
+tree=$(tree_bytes)
 for part in $R/a $R/b; do
   total=$(( $(du -sb $part | cut -f1) + tree ))
   echo "$part with the working tree: $total bytes (a call carries at most 67108864)"
