@@ -7,7 +7,8 @@
                         ─► ddtree.png (tau and speedup vs tree budget; when DDTree ran)
                         ─► concurrency.png and a table (speedup and tok/s vs concurrency per
                           method; when evaluate.concurrency measured a level above 1)
-    prompts/stats.json, features/manifest.json ─► data section of report.md
+    prompts/stats.json, features/manifest.json ─► data section of report.md (each drop reason
+                                                 explained from sources.DROP_REASONS)
     eval/metrics.json's drafter and target     ─► SGLang and vLLM launch lines for this drafter
 
 The rule marks the outputs with Snakemake's `report()`, so `snakemake --report report.html`
@@ -19,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+from collections import Counter
 from pathlib import Path
 
 import matplotlib
@@ -26,7 +28,9 @@ import matplotlib
 matplotlib.use("Agg")  # files only; no display on cluster nodes
 import matplotlib.pyplot as plt  # noqa: E402
 
+from dflashpipe.decoding.lookup import GRID, OCCURRENCES, SEARCHES  # noqa: E402
 from dflashpipe.errors import DataError  # noqa: E402
+from dflashpipe.sources import DROP_REASONS  # noqa: E402
 from dflashpipe.storage import atomic_path  # noqa: E402
 
 
@@ -75,7 +79,11 @@ def plot_acceptance(rows: list[dict], evaluation: dict, dest: Path) -> None:
                 label="expected, from held-out slot accuracies")  # fmt: skip
     ax.axhline(evaluation["acceptance_length"], color="C1", linestyle="--",
                label=f"measured tau {evaluation['acceptance_length']:.2f} (evaluate)")  # fmt: skip
-    if lookup := evaluation["baseline"].get("prompt_lookup"):
+    if (tau := _lookup_best_tau(evaluation)) is not None:
+        ax.axhline(
+            tau, color="C2", linestyle=":", label=f"prompt lookup at its best, tau {tau:.2f}"
+        )
+    elif lookup := evaluation["baseline"].get("prompt_lookup"):  # metrics without responses
         tau = lookup["acceptance_length"]
         ax.axhline(tau, color="C2", linestyle=":", label=f"prompt lookup tau {tau:.2f}")
     ax.set(xlabel="optimizer step", ylabel="acceptance length", title="acceptance length")
@@ -216,8 +224,12 @@ def _ahead(counts: dict | None) -> str:
 
 
 def _config(name: str | None, before: str = "") -> str:
-    """A prompt-lookup configuration's name in backticks ('-' for metrics without one)."""
-    return f"{before}`{name}`" if name else ("" if before else "-")
+    """A prompt-lookup configuration's name in backticks ('-' for metrics without one); the
+    configured one, which lookup_baseline keys as 'NAME (timed)', is called that."""
+    if not name:
+        return "" if before else "-"
+    configured = " (the configured one)" if name.endswith(" (timed)") else ""
+    return f"{before}`{name.removesuffix(' (timed)')}`{configured}"
 
 
 def _speed(x: float | None) -> str:
@@ -232,14 +244,68 @@ def _lossless(evaluation: dict) -> str:
     return f"**{x:.3f}**{of}"
 
 
-def _lookup_speeds(lookup: dict) -> str:
-    """Prompt lookup's speedups: at its best (what metrics' `speedup` holds once the best was
-    decoded) and as configured, each under its own name (metrics from before the configured
-    speedup was kept: one figure)."""
+# Prompt lookup "at its best" means one thing throughout the report: each prompt under its
+# source's best configuration of the sweep (the Evaluation table, the decoded
+# `prompt_lookup_best` row, the speedup). The one configuration best over all prompts
+# (metrics' `baseline.prompt_lookup.acceptance_length`, never above it) and the configured one
+# (the methods table's first lookup row) are named apart: the summary once called the first
+# "at its best" beside a table row of the configured one's, two taus a reader could not square.
+BEST = "at its best (each source's best configuration)"
+
+
+def _lookup_best_tau(evaluation: dict) -> float | None:
+    """Prompt lookup at its best over all prompts: the mean of the prompts' taus, each under
+    its source's best configuration (summarize writes it per response), so the per-source
+    table's figures pooled; None for metrics without it."""
+    taus = [t for r in evaluation.get("responses", [])
+            if (t := r.get("prompt_lookup_acceptance_length")) is not None]  # fmt: skip
+    return sum(taus) / len(taus) if taus else None
+
+
+def lookup_names() -> str:
+    """How a prompt-lookup configuration's name reads (decoding/lookup.py), said once."""
+    ns = sorted({c.max_ngram_size for c in GRID})
+    ks = ", ".join(str(k) for k in sorted({c.num_drafts for c in GRID}))
+    return (f"A prompt-lookup configuration is named `occurrence n<=N k=K search`: each step "
+            f"drafts the K tokens that followed an earlier occurrence of the text's last n tokens, "
+            f"n tried from N down to 1, the {' or '.join(OCCURRENCES)} occurrence, looked for in "
+            f"{' or '.join(f'`{x}`' for x in SEARCHES)} (all the text so far, or the prompt "
+            "alone); `earliest n<=2 k=10 all` is transformers' `prompt_lookup_num_tokens=10`. "
+            f"evaluate replays {len(GRID)} of them (N {ns[0]}-{ns[-1]}, K {ks}) on the "
+            "target-only outputs, exact since decoding is greedy, and keeps per source the one "
+            "of the highest tau: prompt lookup at its best.")  # fmt: skip
+
+
+def _lookup_taus(evaluation: dict, lookup: dict) -> str:
+    """Prompt lookup's taus for the summary line, each named: at its best, the one
+    configuration best over all prompts, as configured (what older metrics lack: left out)."""
+    figures = []
+    if (best := _lookup_best_tau(evaluation)) is not None:
+        figures.append(
+            f"**{best:.3f}** {BEST.removesuffix(')')}: the table's, over all its prompts)"
+        )
+    overall = _fmt(lookup.get("acceptance_length"))
+    if lookup.get("best"):
+        figures.append(f"{overall} for the one configuration best over all prompts "
+                       f"({_config(lookup['best'])})")  # fmt: skip
+    elif best is None:
+        figures.append(f"{overall} at its best")
+    if (configured := lookup.get("configured_acceptance_length")) is not None:
+        figures.append(f"{configured:.3f} as configured ({_config(lookup.get('configured'))})")
+    return "; prompt lookup's: " + "; ".join(figures)
+
+
+def _lookup_speeds(evaluation: dict, lookup: dict) -> str:
+    """Prompt lookup's speedups, each named: at its best (decoded as `prompt_lookup_best`) and
+    as configured (metrics from before the configured speedup was kept: one figure)."""
     if "configured_speedup" not in lookup:
-        return f"prompt lookup{_config(lookup.get('configured'), ' ')}: {_speed(lookup.get('speedup'))}"
-    return (f"prompt lookup at its best: {_speed(lookup.get('speedup'))}; configured"
-            f"{_config(lookup.get('configured'), ' ')}: {_speed(lookup['configured_speedup'])}")  # fmt: skip
+        return f"; prompt lookup{_config(lookup.get('configured'), ' ')}: {_speed(lookup.get('speedup'))}"
+    configured = (f"{_speed(lookup['configured_speedup'])} as configured "
+                  f"({_config(lookup.get('configured'))})")  # fmt: skip
+    methods = evaluation.get("methods")
+    if methods is not None and "prompt_lookup_best" not in methods:  # sweep off: none decoded
+        return f"; prompt lookup's: {configured}"
+    return f"; prompt lookup's: **{_speed(lookup.get('speedup'))}** {BEST}; {configured}"
 
 
 def methods_table(evaluation: dict) -> str:
@@ -252,8 +318,10 @@ def methods_table(evaluation: dict) -> str:
         return "| method | decode tokens/s |\n|---|---|\n" + "\n".join(
             f"| {name} | {speed:.1f} |" for name, speed in rows
         )
-    names = {"target": "target only", "dflash": "DFlash drafter", "prompt_lookup": "prompt lookup",
-             "prompt_lookup_best": "prompt lookup, best per source"}  # fmt: skip
+    configured = _config(lookup.get("configured"), " ") if lookup else ""
+    names = {"target": "target only", "dflash": "DFlash drafter",
+             "prompt_lookup": f"prompt lookup as configured{configured}",
+             "prompt_lookup_best": f"prompt lookup {BEST}"}  # fmt: skip
     rows = [(names.get(m, m), r) for m, r in evaluation["methods"].items()]
     rows += [(f"DDTree, {n} nodes", r) for n, r in evaluation.get("ddtree", {}).items()]
     lines = [
@@ -268,9 +336,20 @@ def methods_table(evaluation: dict) -> str:
     note = ("\n\ntau is the mean of the prompts' acceptance lengths; tokens per step pools every "
             "step of every prompt, and step is a method's mean step in target-only steps, so "
             "speedup = tokens per step / step.")  # fmt: skip
-    return (
-        head + "|---|---|---|---|---|---|---|---|\n" + "\n".join(lines) + _eager(evaluation) + note
-    )
+    return (head + "|---|---|---|---|---|---|---|---|\n" + "\n".join(lines) + _eager(evaluation)
+            + note + _worker_choice(evaluation))  # fmt: skip
+
+
+def _worker_choice(evaluation: dict) -> str:
+    """Why the decoded best-lookup row can differ from the summary's figure: with several
+    evaluate workers each picks its sources' best on its own share of the prompts."""
+    workers = min((evaluation.get("settings") or {}).get("workers", 1), evaluation["num_prompts"])
+    if workers < 2 or "prompt_lookup_best" not in evaluation["methods"]:
+        return ""
+    return (f" With evaluate.workers {workers}, each worker process picks its sources' best "
+            "configurations on its own share of the prompts for the decoded row at its best, so "
+            "its tau can differ from the summary's, whose configurations are chosen over all "
+            "prompts.")  # fmt: skip
 
 
 def _eager(evaluation: dict) -> str:
@@ -301,17 +380,54 @@ def _engine(evaluation: dict) -> str:
     return f"\n- engine: {engine['kind']}{graphs}{eager}"
 
 
+# A GGUF target, as the engines' sources read (neither pairing run here). SGLang: a .gguf
+# --model-path switches --load-format and --quantization to gguf (python/sglang/srt/arg_groups/
+# model_path_hook.py handle_load_format, arg_groups/overrides.py _gguf_quantization), config and
+# tokenizer come from the file (utils/hf_transformers_utils.py get_config, get_tokenizer), and
+# the drafter inherits both: managers/scheduler.py applies --speculative-draft-load-format only
+# when given ("If not specified, will use the same format as --load-format"), and the draft's
+# quantization defaults to the target's unless --speculative-draft-model-quantization is set
+# ("unquant": none). vLLM: `vllm serve ./x.gguf --tokenizer <original HF repo>`, one file,
+# recent versions through the vllm-gguf-plugin package (docs/features/quantization/gguf.md);
+# a .gguf model sets load_format and quantization to gguf (vllm/engine/arg_utils.py
+# create_model_config), and the drafter loads with the target's load config unless the
+# speculative config's `draft_load_config` says otherwise (vllm/config/speculative.py).
+GGUF_FLAGS = "--speculative-draft-load-format auto --speculative-draft-model-quantization unquant"
+
+
+def _gguf_note(target: str) -> str:
+    """What a GGUF target asks of each engine, above the launch lines ('' for other targets)."""
+    if not target.endswith(".gguf"):
+        return ""
+    return (
+        "The target is a GGUF file. SGLang takes it as `--model-path` and switches its load "
+        "format and quantization to gguf, which the drafter inherits unless told otherwise: "
+        f"hence `{GGUF_FLAGS}`. vLLM takes it as the model (one file; recent versions through "
+        "the `vllm-gguf-plugin` package; `--tokenizer` naming the HF repo it was made from "
+        "spares a slow conversion of its tokenizer) and loads the drafter with the target's "
+        "load config unless `draft_load_config` says otherwise. Neither pairing was run here. "
+        "The float32 HF directory dflashpipe converted the GGUF to (`$DFLASHPIPE_CACHE/gguf/`, "
+        "default `~/.cache/dflashpipe/gguf/`, named by the GGUF's sha256) holds the weights "
+        "this drafter trained and was evaluated against, and serves in either engine as any HF "
+        "checkpoint, without those flags.\n"
+    )
+
+
 def serving(evaluation: dict) -> str:
     """The README's "Serve the drafter" launch lines filled in for this run's drafter and target
     (paths as evaluate recorded them, relative to the run's directory); '' for metrics written
     before they recorded the drafter. vLLM does not read block_size from the drafter's
     config.json: num_speculative_tokens must be block_size - 1, or it drafts a length the drafter
-    never trained on, without an error."""
+    never trained on, without an error. A GGUF target adds the flags that keep the drafter's
+    own load format (GGUF_FLAGS, `draft_load_config`)."""
     drafter, target = evaluation.get("drafter"), evaluation.get("target")
     if not drafter or not target:
         return ""
     path, block = drafter["path"], drafter["block_size"]
-    spec = json.dumps({"method": "dflash", "model": path, "num_speculative_tokens": block - 1})
+    gguf = target.endswith(".gguf")
+    config = {"method": "dflash", "model": path, "num_speculative_tokens": block - 1}
+    spec = json.dumps(config | ({"draft_load_config": {"load_format": "auto"}} if gguf else {}))
+    sglang_gguf = f" \\\n    {GGUF_FLAGS}" if gguf else ""
     notes = []
     exported = Path(path) / "config.json"
     if exported.is_file():
@@ -322,11 +438,11 @@ def serving(evaluation: dict) -> str:
     if (Path(path) / "mask_embedding.pt").is_file():
         notes.append("- `mask_embedding.pt` beside it holds its learned mask embedding")
     return f"""## Serve the drafter
-SGLang:
+{_gguf_note(target)}SGLang:
 ```
 python -m sglang.launch_server --model-path {shlex.quote(target)} \\
     --speculative-algorithm DFLASH --speculative-draft-model-path {shlex.quote(path)} \\
-    --speculative-num-draft-tokens {block}
+    --speculative-num-draft-tokens {block}{sglang_gguf}
 ```
 vLLM (num_speculative_tokens = block size {block} - 1):
 ```
@@ -335,25 +451,65 @@ vllm serve {shlex.quote(target)} --speculative-config {shlex.quote(spec)}
 """ + "\n".join(notes)
 
 
+def _dropped(prompts: dict) -> str:
+    """The prompts stage's drops, a line per reason with what one count of it is
+    (sources.DROP_REASONS) and, where several sources dropped for it, each one's share."""
+    totals = prompts["totals"]["dropped"]
+    if not totals:
+        return "nothing dropped"
+    lines = []
+    for reason, n in sorted(totals.items(), key=lambda item: (-item[1], item[0])):
+        shares = [f"{name} {stats['dropped'][reason]:,}"
+                  for name, stats in prompts.get("sources", {}).items()
+                  if stats.get("dropped", {}).get(reason)]  # fmt: skip
+        split = f" ({', '.join(shares)})" if len(shares) > 1 else ""
+        meaning = DROP_REASONS.get(reason, "a reason sources.DROP_REASONS no longer lists")
+        lines.append(f"\n  - `{reason}` {n:,}{split}: {meaning}")
+    return "left out by the prompts stage, a count per reason:" + "".join(lines)
+
+
+def _decoded(evaluation: dict) -> str:
+    """Which of the held-out prompts evaluate decoded: the first evaluate.num_prompts, round
+    robin over the sources, less those it skipped (metrics before `settings`: the count)."""
+    asked = (evaluation.get("settings") or {}).get("num_prompts")
+    if asked is None:
+        return f"evaluate decoded {evaluation['num_prompts']} of them"
+    skipped = sum((evaluation.get("skipped") or {}).values())
+    skips = (f", less {skipped} too long for the context or refused by the chat template"
+             if skipped else "")  # fmt: skip
+    return (f"evaluate decoded {evaluation['num_prompts']} of them: the first "
+            f"evaluate.num_prompts ({asked}), taken round robin over the sources{skips}")  # fmt: skip
+
+
+def _per_source(evaluation: dict, lookup: dict) -> str:
+    """The Evaluation table: per eval source its decoded prompts, DFlash's tau, prompt lookup's
+    at its best and its configuration, and the paired count."""
+    lookup_tau, ahead = lookup.get("per_source", {}), lookup.get("dflash_ahead", {})
+    chosen = lookup.get("best_per_source", {})
+    counts = Counter(r["source"] for r in evaluation.get("responses", []))
+    rows = "\n".join(
+        f"| {s} | {counts.get(s, '-')} | {t:.3f} | {_fmt(lookup_tau.get(s))} | "
+        f"{_config(chosen.get(s))} | {_ahead(ahead.get(s))} |"
+        for s, t in sorted(evaluation["per_source"].items())
+    )
+    head = (f"| source | prompts | DFlash tau | prompt lookup tau {BEST} | its configuration | "
+            "prompts where the drafter is ahead |\n|---|---|---|---|---|---|\n")  # fmt: skip
+    return head + rows + (f"\n\n{lookup_names()}" if lookup else "")
+
+
 def summary(rows: list[dict], evaluation: dict, prompts: dict, manifest: dict, img: str,
             extra: dict[str, dict] | None = None) -> str:  # fmt: skip
     """The Markdown summary; `img` is the plot folder relative to the Markdown file, `extra` the
     manifests of train.extra_features by path."""
     lookup = evaluation["baseline"].get("prompt_lookup", {})
-    lookup_tau, ahead = lookup.get("per_source", {}), lookup.get("dflash_ahead", {})
-    chosen = lookup.get("best_per_source", {})
-    per_source = "\n".join(
-        f"| {s} | {t:.3f} | {_fmt(lookup_tau.get(s))} | {_config(chosen.get(s))} | "
-        f"{_ahead(ahead.get(s))} |"
-        for s, t in sorted(evaluation["per_source"].items())
-    )
+    held_out = prompts["totals"]["eval"]
     added = "".join(
         f"\n- train.extra_features {p}: {_features(m)}" for p, m in (extra or {}).items()
     )
     return f"""# dflashpipe report
 
 ## Data
-- prompts: {prompts["totals"]["train"]} train, {prompts["totals"]["eval"]} eval; dropped {prompts["totals"]["dropped"]}
+- prompts: {prompts["totals"]["train"]:,} train, {held_out:,} held out for evaluation ({_decoded(evaluation)}); {_dropped(prompts)}
 - features: {_features(manifest)}, layers {manifest["layer_ids"]} of {manifest["target"]["name"]}{added}
 
 ## Training
@@ -362,14 +518,12 @@ def summary(rows: list[dict], evaluation: dict, prompts: dict, manifest: dict, i
 ![loss]({img}/loss.png)
 ![acceptance]({img}/acceptance.png)
 
-## Evaluation ({evaluation["num_prompts"]} prompts, {evaluation.get("run_dtype", "")}, {evaluation.get("device", "")})
-| source | tau | best prompt lookup tau | its configuration | prompts where the drafter is ahead |
-|---|---|---|---|---|
-{per_source}
+## Evaluation ({evaluation["num_prompts"]} of the {held_out:,} held-out prompts, {evaluation.get("run_dtype", "")}, {evaluation.get("device", "")})
+{_per_source(evaluation, lookup)}
 
-- acceptance length tau: **{evaluation["acceptance_length"]:.3f}** (prompt lookup at its best: {_fmt(lookup.get("acceptance_length"))}{_config(lookup.get("best"), ", ")})
+- acceptance length tau (the mean of the prompts' taus): **{evaluation["acceptance_length"]:.3f}**{_lookup_taus(evaluation, lookup) if lookup else ""}
 - lossless fraction (float32): {_lossless(evaluation)}
-- speedup vs target-only greedy: **{evaluation["speedup"]:.2f}x** ({_lookup_speeds(lookup)}){_engine(evaluation)}
+- speedup vs target-only greedy: **{evaluation["speedup"]:.2f}x**{_lookup_speeds(evaluation, lookup) if lookup else ""}{_engine(evaluation)}
 
 {methods_table(evaluation)}
 

@@ -37,6 +37,61 @@ KIND_FIELDS = {
     "python": FieldMap(id="task_id", prompt="prompt", response="canonical_solution"),
 }
 EXAMPLES_PER_REASON = 3
+# Every reason the prompts stage leaves something out (stats.json's `dropped`), with what one
+# count is: the readers here, prompts.py's conversations, filters, dedupe, split and limits. A
+# DropLog refuses a reason missing here, and the report explains each count from this table.
+DROP_REASONS = {
+    "not_an_object": "a record of the file that is not a JSON object",
+    "missing_field": "a record without a field its kind (or the source's `fields`) names",
+    "malformed_json": "a line or object of the file that does not parse as JSON",
+    "truncated_tail": (
+        "the cut-off last object of a JSON array (the packaged ShareGPT file ends mid-object)"
+    ),
+    "test_module": "a test module of a code source (its functions are not read)",
+    "unreadable": "a file of a code source that could not be read",
+    "unparsable": "a file of a code source that is not valid Python",
+    "private": "a function or method of a code source whose name starts with `_`",
+    "no_docstring": "a public function of a code source without a docstring (its prompt)",
+    "no_body": "a function of a code source that is only a docstring",
+    "unknown_role": "a conversation with a role name neither built in nor in the source's `roles`",
+    "empty_message": "a conversation with an empty message",
+    "system_not_first": "a conversation with a system message after its first message",
+    "empty_conversation": "a conversation without a user message",
+    "unanswered": "a user turn without an answer (prompts.keep_unanswered: false)",
+    "too_short": "a prompt (a user turn with its history) under prompts.min_chars characters",
+    "too_long": (
+        "a prompt (a user turn with its history) over prompts.max_chars characters "
+        "(prompts.trim_history keeps a tail that fits instead)"
+    ),
+    "too_many_turns": "a prompt with more than prompts.max_turns user turns",
+    "reference_too_long": (
+        "a prompt whose dataset answer is over prompts.max_reference_chars characters"
+    ),
+    "duplicate": (
+        "a prompt whose messages repeat an earlier one's (prompts.dedupe; an eval "
+        "source keeps its copy)"
+    ),
+    "trimmed_held_out": "a trimmed turn of a held-out conversation (trimmed prompts train only)",
+    "excluded": "a train prompt that a prompts.exclude file holds",
+    "over_limit": (
+        "a prompt past its source's share of prompts.max_train (or past its `limit`): "
+        "the sample kept is drawn at random"
+    ),
+}
+
+
+class DropCounts(Counter):
+    """stats.json's `dropped` of one source: a Counter that takes DROP_REASONS' names only."""
+
+    def __setitem__(self, reason: str, count: int) -> None:
+        if reason not in DROP_REASONS:
+            raise KeyError(
+                f"drop reason {reason!r} is not in sources.DROP_REASONS; declare it there with "
+                "what one count of it is (the report explains every count from that table)"
+            )
+        super().__setitem__(reason, count)
+
+
 # Directories of installed packages, never part of a code source's own code (the interpreter's
 # standard library directory holds site-packages).
 INSTALLED_DIRS = ("site-packages", "dist-packages")
@@ -54,7 +109,7 @@ class RawConversation:
 class DropLog:
     """Dropped rows of one source: a count per reason and its first places, for stats.json."""
 
-    counts: Counter = field(default_factory=Counter)
+    counts: DropCounts = field(default_factory=DropCounts)
     examples: list[str] = field(default_factory=list)
 
     def drop(self, reason: str, origin: str, detail: str = "") -> None:
