@@ -794,6 +794,8 @@ def _(env):
     run()
     for p in outs:
         p.unlink()
+    # cut off after its last checkpoint, before the end (a finished run would train afresh)
+    (env.tmp / "train" / "run" / "finished.json").unlink()
     state = env.tmp / "train" / "run" / "step-00000002" / "state.pt"
     state.write_bytes(state.read_bytes()[:100])
     return train_run(env, config, manifest)

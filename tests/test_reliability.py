@@ -357,3 +357,59 @@ def test_killed_snakemake_resumes(tmp_path, tiny_target_dir, data_dir):
     assert (work / "results" / "report.md").is_file()
     assert temp_files(work / "results") == []
     print("\n" + "\n".join(report))
+
+
+# ------------------------------------------------------------ two writers of one output
+def _files(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
+            if p.is_file()}  # fmt: skip
+
+
+def test_a_second_trainer_of_a_run_directory_is_refused(tmp_path, tiny_features):
+    """Issue 60 item 3: a train job still runs (orphaned by a `kill -9` of Snakemake alone), and
+    a rerun starts train again on the same run directory. The second fails at once (exit 2)
+    naming the first's PID and host, and changes nothing of the first's files; once the first
+    job is SIGKILLed, its lock goes with it. 8254850 let the second train into the same run
+    directory (metrics.jsonl interleaved two runs' steps)."""
+    import socket
+    import sys
+    import time
+
+    from conftest import write_yaml
+
+    from dflashpipe.leases import hold_output
+
+    raw = json.loads(json.dumps(tiny_features["raw"]))
+    raw["train"].update(checkpoint_every=1, cpu_processes=1)
+    config = write_yaml(tmp_path / "config.yaml", raw)
+    work = tmp_path / "results"
+    cmd = [sys.executable, "-m", "dflashpipe", "train", "--config", str(config), "--manifest",
+           str(tiny_features["manifest"]), "--run-dir", str(work / "train" / "run"), "--drafter",
+           str(work / "drafter"), "--metrics", str(work / "train" / "metrics.jsonl")]  # fmt: skip
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", TQDM_DISABLE="1")
+    log = (tmp_path / "first.log").open("w")
+    first = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                             start_new_session=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while not (work / "train" / "run" / "step-00000001").is_dir():
+            assert first.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
+            assert time.monotonic() < deadline, "the first trainer wrote no checkpoint"
+            time.sleep(0.05)
+        # its files hold still: only the second trainer may change them now
+        os.killpg(first.pid, signal.SIGSTOP)
+        before = _files(work)
+        second = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+        assert second.returncode == 2, second.stderr[-3000:]
+        message = next(line for line in second.stderr.splitlines() if "error:" in line)
+        assert f"process {first.pid} on host {socket.gethostname()}" in message, message
+        assert str(work / "train" / "run") in message, message
+        assert _files(work) == before
+        print(f"\nsecond trainer: {message}")
+    finally:
+        job = [psutil.Process(first.pid), *psutil.Process(first.pid).children(recursive=True)]
+        os.killpg(first.pid, signal.SIGKILL)  # the launcher and its worker, stopped or not
+        first.wait()
+        assert not psutil.wait_procs(job, timeout=30)[1]
+    with hold_output(work / "train" / "run"):  # the kernel released the lock with the job
+        pass

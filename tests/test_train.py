@@ -11,6 +11,7 @@ import pytest
 import torch
 from conftest import write_yaml
 
+from dflashpipe import checkpoint
 from dflashpipe.config import Config
 from dflashpipe.data import Sample, split_validation
 from dflashpipe.errors import ConfigError, DataError
@@ -424,6 +425,39 @@ def test_resume_safe_keys_resume_and_more_epochs_continue(tmp_path, tiny_feature
     assert longer.step == longer.total_steps > first.step
     assert _rows(out / "metrics.jsonl")[-1]["step"] == longer.step
     assert not list(out.glob("run.superseded-*"))
+
+
+def test_a_rerun_of_a_finished_run_trains_afresh_and_a_longer_one_resumes(
+    tmp_path, tiny_features, caplog
+):
+    """Issue 60 item 6: a job started over a finished run with the same config was asked to
+    train again (`--forcerun train`; Snakemake deleted the outputs first) and trains from step 0,
+    the old run set aside; one cut off before its `finished.json` (killed between the final
+    checkpoint and the export) resumes; one with only `train.epochs` raised continues."""
+    first, out = _in_process(tmp_path, tiny_features, "again", epochs=1, log_every=1)
+    run, steps = out / "run", list(range(1, first.step + 1))
+    assert json.loads((run / "finished.json").read_text())["step"] == first.step >= 3
+    with caplog.at_level("INFO", logger="dflashpipe.train"):
+        again, _ = _in_process(tmp_path, tiny_features, "again", epochs=1, log_every=1)
+    assert "resumed from" not in caplog.text and "finished with this same" in caplog.text
+    moved = out / "run.superseded-1"
+    assert (moved / "finished.json").is_file() and checkpoint.latest(moved).name == (
+        f"step-{first.step:08d}"
+    )
+    assert again.step == first.step and [r["step"] for r in _rows(run / "metrics.jsonl")] == steps
+    assert (run / "finished.json").is_file()
+    (run / "finished.json").unlink()  # cut off after the last checkpoint, before the record
+    caplog.clear()
+    with caplog.at_level("INFO", logger="dflashpipe.train"):
+        _in_process(tmp_path, tiny_features, "again", epochs=1, log_every=1)
+    assert "resumed from" in caplog.text and not (out / "run.superseded-2").exists()
+    caplog.clear()
+    with caplog.at_level("INFO", logger="dflashpipe.train"):
+        longer, _ = _in_process(tmp_path, tiny_features, "again", epochs=2, log_every=1)
+    assert "resumed from" in caplog.text and not (out / "run.superseded-2").exists()
+    assert longer.step == longer.total_steps > first.step
+    assert [r["step"] for r in _rows(out / "metrics.jsonl")] == list(range(1, longer.step + 1))
+    assert json.loads((run / "finished.json").read_text())["step"] == longer.step
 
 
 def _rewrite_shards(out, tiny_features, codec: str | None = None, edit=None):

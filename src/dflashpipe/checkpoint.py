@@ -3,7 +3,8 @@
 Each checkpoint is a directory `step-XXXXXXXX/` under the run directory, written under a
 temporary name and renamed when complete, so a directory with the final name is always whole.
 The run directory is not a Snakemake output: a failed job does not delete it, and the next
-attempt resumes from the newest checkpoint.
+attempt resumes from the newest checkpoint. `finished.json`, written after the export, tells a
+forced rerun of a finished run (trained afresh) from a cut-off one (resumed).
 """
 
 from __future__ import annotations
@@ -19,10 +20,11 @@ import torch
 
 from dflashpipe import faults
 from dflashpipe.errors import DataError
-from dflashpipe.storage import fsync_path
+from dflashpipe.storage import fsync_path, write_json
 
 log = logging.getLogger(__name__)
 PREFIX = "step-"
+FINISHED = "finished.json"  # mark_finished: the run ended and was exported
 
 
 def rng_state() -> dict:
@@ -89,6 +91,22 @@ def changed_keys(run_dir: Path, fingerprint: dict) -> list[str]:
         return []  # unreadable: load_latest passes it over for an older one, or says so
     keys = sorted(set(saved) | set(fingerprint))
     return [k for k in keys if saved.get(k, "<unset>") != fingerprint.get(k, "<unset>")]
+
+
+def mark_finished(run_dir: Path, step: int, settings: dict) -> None:
+    """Record that the run ended: every step trained, the drafter and metrics exported. Written
+    last, so a run cut off anywhere before (mid-training, or between the final checkpoint and
+    the export) has no record and resumes. `settings`: every key train's digest covers."""
+    write_json(run_dir / FINISHED, {"step": step, "settings": settings})
+
+
+def finished_settings(run_dir: Path) -> dict | None:
+    """The settings the run ended with (mark_finished); None while it has not ended, or when
+    the record cannot be read (then it resumes, as runs did before the record existed)."""
+    try:
+        return json.loads((run_dir / FINISHED).read_text())["settings"]
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError):
+        return None
 
 
 def set_aside(run_dir: Path) -> Path:

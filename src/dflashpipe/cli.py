@@ -11,15 +11,23 @@ import argparse
 import logging
 import sys
 from collections.abc import Callable
+from contextlib import ExitStack
 from pathlib import Path
 
 import yaml
 
 from dflashpipe.config import load_config
 from dflashpipe.errors import ConfigError, DflashpipeError
+from dflashpipe.leases import hold_output
 
 log = logging.getLogger("dflashpipe")
 COMPILING = ("regenerate", "extract", "evaluate")  # with train's workers: compile_cache.carried
+# The argument naming what each writing stage writes: the job holds its lock (leases.hold_output)
+# from start to end, so a second writer of the same shard or run directory fails at once.
+# prompts' three files go together (--train stands for them); train's run directory for the
+# drafter and metrics it exports.
+OUTPUT = {"retrieve": "dest", "prompts": "train", "regenerate": "out", "extract": "out",
+          "manifest": "out", "train": "run_dir", "evaluate": "out", "report": "out"}  # fmt: skip
 
 
 def cmd_check_config(args: argparse.Namespace) -> None:
@@ -215,11 +223,13 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     try:
-        if args.command not in COMPILING:
-            return args.fn(args) or 0
-        from dflashpipe.compile_cache import carried
+        with ExitStack() as held:
+            if args.command in OUTPUT:
+                held.enter_context(hold_output(getattr(args, OUTPUT[args.command])))
+            if args.command in COMPILING:
+                from dflashpipe.compile_cache import carried
 
-        with carried(args.command):
+                held.enter_context(carried(args.command))
             return args.fn(args) or 0
     except DflashpipeError as e:
         print(f"dflashpipe {args.command}: error: {e}", file=sys.stderr)

@@ -19,3 +19,7 @@ class IntegrityError(DflashpipeError):
 
 class DiskFullError(DflashpipeError):
     """An output could not be written for lack of space (or a file size limit)."""
+
+
+class OutputBusyError(DflashpipeError):
+    """Another live process holds the lock of the output this job would write."""

@@ -71,7 +71,7 @@ def launch(config_path: str, manifest: str, run_dir: str, drafter: str, metrics:
     (train.nodes > 1), srun starts one torchrun agent per node, meeting at the first node. One
     process on one node is started directly (module docstring)."""
     from dflashpipe.devices import resolve_devices, scheduler_assigned, visible_gpus
-    from dflashpipe.leases import lease_device
+    from dflashpipe.leases import held_fds, lease_device
 
     cfg = load_config(config_path)
     env = dict(os.environ)
@@ -114,6 +114,9 @@ def launch(config_path: str, manifest: str, run_dir: str, drafter: str, metrics:
             for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
                 env.pop(key, None)
         log.info("launching %s", " ".join(cmd))
-        done = subprocess.run(cmd, env=env)
+        # the child keeps this job's locks (its GPUs, the run directory: cli.OUTPUT) held while
+        # it lives: were the launcher killed alone, torchrun's agent or the single worker would
+        # write on, and its workers die with the agent (die_with_parent)
+        done = subprocess.run(cmd, env=env, pass_fds=held_fds())
     if done.returncode != 0:
         raise DflashpipeError(f"training failed (exit {done.returncode}); see the log above")

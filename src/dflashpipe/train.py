@@ -52,7 +52,7 @@ from dflashpipe.loss import block_labels, block_soft_targets, default_gamma, dfl
 from dflashpipe.metrics import MetricsLog, RunFacts, expected_acceptance, step_flops
 from dflashpipe.model import FROZEN_PREFIXES, Drafter, DrafterConfig, init_from_target_layers
 from dflashpipe.shards import FeatureShard, check_manifest, verify_shard
-from dflashpipe.stages import ABSENT, fingerprint_keys
+from dflashpipe.stages import ABSENT, digest_keys, fingerprint_keys
 from dflashpipe.stages import value as config_value
 from dflashpipe.storage import atomic_path, write_json
 
@@ -332,12 +332,16 @@ class Trainer:
             self.model = drafter
         self.gamma = self.tc.gamma or default_gamma(self.dcfg.block_size)
         self.rank_term = (self.tc.rank_weight, self.tc.rank_k)  # loss.dflash_loss's ranking term
-        # Everything train reads but the resume-safe keys (stages.py), the world size (each
-        # rank's data position) and the features' content: a checkpoint resumes only when all
-        # of it is unchanged, so a rerun never mixes two configurations.
-        self.fingerprint = {k: v for k in fingerprint_keys("train")
-                            if (v := config_value(self.cfg.raw, k)) is not ABSENT}  # fmt: skip
-        self.fingerprint.update(world=self.world, features=features_digest(self.vouched))
+        # Everything train's digest covers (stages.py), the world size (each rank's data
+        # position) and the features' content: a finished run records all of it
+        # (checkpoint.mark_finished); a checkpoint resumes only when all of it but the
+        # resume-safe keys is unchanged (the fingerprint), so a rerun never mixes two
+        # configurations.
+        self.settings = {k: v for k in digest_keys("train")
+                         if (v := config_value(self.cfg.raw, k)) is not ABSENT}  # fmt: skip
+        self.settings.update(world=self.world, features=features_digest(self.vouched))
+        kept = {*fingerprint_keys("train"), "world", "features"}
+        self.fingerprint = {k: v for k, v in self.settings.items() if k in kept}
 
     def _build_optimizer(self) -> None:
         params = [p for p in self.drafter.parameters() if p.requires_grad]
@@ -377,11 +381,29 @@ class Trainer:
         full = get_model_state_dict(self.drafter, options=_FULL())
         return {k: v for k, v in full.items() if not k.startswith(FROZEN_PREFIXES)}
 
-    def _resume(self) -> None:
-        if self.rank == 0 and (changed := checkpoint.changed_keys(self.run_dir, self.fingerprint)):
+    def _set_aside_unless_resumable(self) -> None:
+        """Rank 0, before resuming: a run that finished with these very settings, or whose
+        checkpoints were made under others, is moved aside for a fresh one. Snakemake reruns a
+        finished train job by itself only when a key it reads changed; with none changed, the
+        rerun was asked for (--forcerun train, its outputs deleted) and means to train again,
+        not to re-export the old drafter. A run cut off before its end resumes; so does a
+        finished one after resume-safe edits alone (a longer run)."""
+        finished = checkpoint.finished_settings(self.run_dir)
+        if finished == json.loads(json.dumps(self.settings)):  # as the record reads back
+            moved = checkpoint.set_aside(self.run_dir)
+            log.warning("a fresh run: the run in %s finished with this same configuration, so "
+                        "this job was asked to train again (--forcerun train, or its outputs "
+                        "deleted); the old run is moved to %s", self.run_dir, moved)  # fmt: skip
+        elif changed := checkpoint.changed_keys(self.run_dir, self.fingerprint):
             moved = checkpoint.set_aside(self.run_dir)
             log.warning("a fresh run: %s changed since the checkpoints in %s, which are moved "
                         "to %s", ", ".join(changed), self.run_dir, moved)  # fmt: skip
+        elif finished is not None:  # resume-safe edits: the run goes on, unfinished until its end
+            (self.run_dir / checkpoint.FINISHED).unlink()
+
+    def _resume(self) -> None:
+        if self.rank == 0:
+            self._set_aside_unless_resumable()
         if self.world > 1:
             dist.barrier()  # every rank sees the run directory as rank 0 left it
         found = checkpoint.load_latest(self.run_dir, self.fingerprint)
@@ -530,7 +552,7 @@ class Trainer:
 def train_and_export(cfg: Config, manifest: Path, run_dir: Path, drafter: str | Path,
                      metrics: str | Path, device: torch.device) -> Trainer:  # fmt: skip
     """One process's share of the stage: train (resuming where the run directory allows), then
-    export the drafter and the metrics (rank 0)."""
+    export the drafter and the metrics and record the run finished (rank 0)."""
     run_dir.mkdir(parents=True, exist_ok=True)
     trainer = Trainer(cfg, manifest, run_dir, device)
     trainer.train()
@@ -540,6 +562,7 @@ def train_and_export(cfg: Config, manifest: Path, run_dir: Path, drafter: str | 
         with atomic_path(metrics) as tmp:
             shutil.copyfile(run_dir / "metrics.jsonl", tmp)
         write_json(run_dir / "summary.json", {"steps": trainer.step, "skipped": trainer.stats})
+        checkpoint.mark_finished(run_dir, trainer.step, trainer.settings)  # the very last write
     return trainer
 
 
