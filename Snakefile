@@ -23,7 +23,10 @@ include: "workflow/rules/evaluate.smk"
 include: "workflow/rules/report.smk"
 
 
+# Every stage's outputs, not only the report's: Snakemake reruns a job whose outputs are gone
+# only where a target or a job that must run asks for them, so a run killed after Snakemake
+# removed a forced stage's outputs would otherwise resume as "Nothing to be done".
 rule all:
     default_target: True
     input:
-        rules.report.output,
+        upstream_outputs("report"),

@@ -58,6 +58,8 @@ class Env:
 
     def raw(self, **sections) -> dict:
         raw = json.loads(json.dumps(self.features["raw"]))
+        # a prompt source that exists: check-config refuses a config naming a missing file
+        raw["prompts"]["sources"][0]["path"] = str(self.data / "messages.jsonl")
         for k, v in sections.items():
             raw.setdefault(k, {}).update(v)
         return raw

@@ -31,10 +31,9 @@ OUTPUT = {"retrieve": "dest", "prompts": "train", "regenerate": "out", "extract"
 
 
 def cmd_check_config(args: argparse.Namespace) -> None:
-    from dflashpipe.preflight import check_against_target
+    from dflashpipe.preflight import check_workflow_config
 
-    cfg = load_config(args.config)
-    check_against_target(cfg)
+    cfg = check_workflow_config(load_config(args.config).raw, origin=args.config)
     text = yaml.safe_dump(cfg.raw, sort_keys=False)
     if args.write_resolved:
         from dflashpipe.storage import atomic_path

@@ -2,7 +2,10 @@
 `python -m dflashpipe check-config`, and again as the stages that load the target start
 (regenerate, extract), for a target that was not on disk yet when the workflow started.
 
-    config ─► config-only checks (drafter.sliding_window against train.max_length and the
+    config ─► every file it names on disk or made by a `retrieve:` entry (prompt sources,
+              prompts.exclude, train.extra_features, a local target, its GGUF or tokenizer):
+              a missing one is refused before any job can remove an output
+           ─► config-only checks (drafter.sliding_window against train.max_length and the
               drafter's layers; target.chat_template a template, a file, auto or none)
     target ─► its shape (decoder layers, vocabulary, family, whether it has a chat template),
               read cheaply where it is local: a HF directory's config.json and tokenizer
@@ -146,13 +149,75 @@ def check_prompt_format(cfg: Config, shape: TargetShape) -> None:
         )
 
 
+def named_files(cfg: Config) -> list[tuple[str, str]]:
+    """(key, path) of every local file or directory the config names: prompt sources, excludes,
+    extra feature manifests, and the target, its GGUF and its tokenizer where they are paths
+    rather than hub ids."""
+    files = [(f"prompts.sources[{i}] '{s.name}' path", s.file)
+             for i, s in enumerate(cfg.prompts.sources) if s.file]  # fmt: skip
+    files += [(f"prompts.exclude[{i}]", p) for i, p in enumerate(cfg.prompts.exclude)]
+    files += [(f"train.extra_features[{i}]", p) for i, p in enumerate(cfg.train.extra_features)]
+    target = cfg.target
+    if is_local_path(target.model):
+        files.append(("target.model", target.model))
+        if target.gguf_file:
+            files.append(("target.gguf_file", str(Path(target.model) / target.gguf_file)))
+    if target.tokenizer and is_local_path(target.tokenizer):
+        files.append(("target.tokenizer", target.tokenizer))
+    return files
+
+
+def is_local_path(name: str) -> bool:
+    """A path on this machine rather than a hub id: it exists, or it is spelt as a path (a hub id
+    is `name` or `org/name`; `resources/` and `results/` are this workflow's own folders)."""
+    return (
+        Path(name).expanduser().exists()
+        or name.startswith(("resources/", "results/", "./", "../", "/", "~"))
+        or name.count("/") > 1
+    )
+
+
+def check_files(cfg: Config) -> None:
+    """Every file the config names exists or is made by one of its `retrieve:` entries: a
+    missing one would otherwise be read as a hub id, or leave the old results in place
+    ("Nothing to be done"), or fail a job after Snakemake removed its outputs."""
+    made = [Path(spec.dest) for spec in cfg.retrieve.values()]
+    missing = [
+        (key, path)
+        for key, path in named_files(cfg)
+        if not Path(path).expanduser().exists()
+        and not any(d == Path(path) or Path(path) in d.parents for d in made)
+    ]
+    if missing:
+        lines = "\n  ".join(f"{key}: {path} does not exist" for key, path in missing)
+        raise ConfigError(
+            f"names files that are not there (relative paths are read from {Path.cwd()}):\n"
+            f"  {lines}\nexpected existing files, or a `retrieve:` entry whose dest makes them"
+        )
+
+
 def check_against_target(cfg: Config) -> None:
-    """Every check that can run now: the config's own, and the target's where it is local
-    (skipped otherwise: the stages that load the target check at their start)."""
+    """Every check that can run now: the files the config names, the config's own, and the
+    target's where it is local (skipped otherwise: the stages that load the target check at
+    their start)."""
+    check_files(cfg)
     check_config(cfg)
     shape = read_target_shape(cfg.target)
     if shape is not None:
         check_fits_target(cfg, shape)
+
+
+def check_workflow_config(raw: dict, origin: str) -> Config:
+    """The config a workflow run or check-config goes on with: validated and checked as far as
+    it can be before any job, every error naming `origin` (the config file or files)."""
+    from dflashpipe.config import Config
+
+    cfg = Config.from_dict(raw, origin=origin)  # its errors start with the origin
+    try:
+        check_against_target(cfg)
+    except ConfigError as e:
+        raise ConfigError(f"{origin}: {e}") from None
+    return cfg
 
 
 def check_before_loading(cfg: Config) -> None:
@@ -193,7 +258,7 @@ def _local_file(target: TargetConfig) -> Path | None:
     if root.exists():
         path = root / wanted if root.is_dir() else root
         return path if path.is_file() else None
-    if target.model.startswith(("resources/", "results/", "./", "../", "/", "~")):
+    if is_local_path(target.model):
         return None  # a local path not made yet (`snakemake resources` retrieves it)
     try:  # a hub id: only what the local HF cache already holds, never the network
         from huggingface_hub import try_to_load_from_cache

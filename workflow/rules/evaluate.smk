@@ -19,7 +19,7 @@ rule evaluate:
     threads: 2
     params:
         cli=DFLASHPIPE,
-        config=RESOLVED_CONFIG,
+        config=planned_config,
         digest=stage_digest("evaluate"),
         drafter=lambda wildcards, input: Path(input.drafter_config).parent,
     shell:

@@ -20,7 +20,7 @@ rule extract_shard:
     threads: 4
     params:
         cli=DFLASHPIPE,
-        config=RESOLVED_CONFIG,
+        config=planned_config,
         digest=stage_digest("extract"),
         shard=lambda wc: int(wc.shard),
     shell:
@@ -40,12 +40,15 @@ rule extract_manifest:
     threads: 1
     params:
         cli=DFLASHPIPE,
-        config=RESOLVED_CONFIG,
+        config=planned_config,
     shell:
         "{params.cli} manifest --config {params.config} --shards {input.shards}"
         " --out {output} > {log} 2>&1"
 
 
+# Targets list every output up to their stage (upstream_outputs, common.smk).
 rule extract:
     input:
+        upstream_outputs("regenerate"),
+        feature_shards(),
         rules.extract_manifest.output,

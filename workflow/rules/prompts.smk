@@ -17,7 +17,7 @@ rule prompts:
     threads: 1
     params:
         cli=DFLASHPIPE,
-        config=RESOLVED_CONFIG,
+        config=planned_config,
         digest=stage_digest("prompts"),
     shell:
         "{params.cli} prompts --config {params.config}"

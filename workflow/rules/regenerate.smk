@@ -19,7 +19,7 @@ rule regenerate_shard:
     threads: 2
     params:
         cli=DFLASHPIPE,
-        config=RESOLVED_CONFIG,
+        config=planned_config,
         digest=stage_digest("regenerate"),
         shard=lambda wc: int(wc.shard),
     shell:
@@ -27,6 +27,8 @@ rule regenerate_shard:
         " --shard {params.shard} --out {output} > {log} 2>&1"
 
 
+# Targets list every output up to their stage (upstream_outputs, common.smk).
 rule regenerate:
     input:
+        upstream_outputs("prompts"),
         sequence_shards(),

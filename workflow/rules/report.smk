@@ -20,7 +20,7 @@ rule report:
     threads: 1
     params:
         cli=DFLASHPIPE,
-        config=RESOLVED_CONFIG,
+        config=planned_config,
         plots=lambda wildcards, output: Path(output.loss).parent,
     shell:
         "{params.cli} report --config {params.config} --train-metrics {input.train}"

@@ -15,7 +15,7 @@ rule retrieve:
         downloads=1,
     params:
         cli=DFLASHPIPE,
-        config=RESOLVED_CONFIG,
+        config=planned_config,
         digest=retrieve_digest,
     shell:
         "{params.cli} retrieve --config {params.config} --dest {output} > {log} 2>&1"

@@ -22,7 +22,7 @@ rule train:
     threads: 2
     params:
         cli=DFLASHPIPE,
-        config=RESOLVED_CONFIG,
+        config=planned_config,
         digest=stage_digest("train"),
         run_dir=f"{RESULTS}/train/run",
         drafter=lambda wildcards, output: Path(output.config).parent,
