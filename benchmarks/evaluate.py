@@ -14,6 +14,10 @@
                 prompt length changes (raises otherwise)
       profile   --profile N: each step kind replayed N times under torch.profiler: device
                 kernels per step, their summed time (GPU busy) against the wall time per step
+      rows      --concurrency C...: decoding/concurrent.py's ConcurrentEngine on the same
+                engine, c rows at a time for each C (2 x C prompts of the same lengths, refilled
+                as rows finish), target-only and DFlash: ms per step (wall / steps, refill packs
+                in the steps included) and generated tok/s
     --block (default 16; the quality recipe's drafter: 8) and --capacity (the engine's slots;
     evaluate sizes them by its longest prompt: 784 on the quality recipe's eval prompts) match a
     run's shapes.
@@ -29,6 +33,8 @@ a DFlash step <= 1.3 target steps. Run it as the only process on the GPU: a step
         --out $OUT/evaluate.json
     PYTHONPATH=src python benchmarks/evaluate.py --shapes smollm2 --block 8 --capacity 784 \\
         --budgets 16 32 --profile 20 --out $OUT/steps.json   # the quality run's shapes
+    PYTHONPATH=src python benchmarks/evaluate.py --shapes smollm2 --block 8 --capacity 784 \\
+        --budgets 16 --concurrency 1 16 --out $OUT/rows.json   # the concurrent engine's steps
     python benchmarks/evaluate.py --smoke --shapes smollm2 qwen3-8b --out /tmp/smoke.json  # CPU
 
 Figures go to benchmarks/RESULTS.md.
@@ -50,6 +56,7 @@ import transformers
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 
 import dflashpipe.decoding.ddtree  # noqa: F401 (registers the engine's "ddtree" steps)
+from dflashpipe.decoding.concurrent import ConcurrentEngine
 from dflashpipe.decoding.eager import DFlashProposer, Target, greedy_decode, speculative_decode
 from dflashpipe.decoding.engine import Engine
 from dflashpipe.decoding.types import Decoded
@@ -176,9 +183,32 @@ def measure_engine(model, drafter, graphs: bool, compile: bool, max_len: int, pr
     shortest = min(prompts, key=len)
     steps = list(engine.steps) if args.profile else []
     profiles = {k: profile_step(engine, k, shortest, args.profile) for k in steps}
+    if graphs == compile:  # the engine's defaults (or neither): its rows under load too
+        rows |= {f"{label} rows c={c} {m}": r for c in args.concurrency
+                 for m, r in measure_rows(engine, c, prompts, new).items()}  # fmt: skip
     say(f"  {label} captures per step kind: {captures}; {time.perf_counter() - t0:.0f} s in all "
         "(compilation and capture included)")  # fmt: skip
     return label, rows, captures, profiles
+
+
+def measure_rows(engine: Engine, c: int, prompts: list[list[int]], new: int) -> dict:
+    """Target-only and DFlash on `c` rows of the engine's models (ConcurrentEngine), 2 x c
+    prompts cycling through the given ones' lengths, after one untimed decode of c prompts
+    (its compile and captures): ms per step and generated tok/s of the whole decode."""
+    rows = ConcurrentEngine(engine, c)
+    queue = [prompts[i % len(prompts)] for i in range(2 * c)]
+    out = {}
+    for m in ("target", "dflash"):
+        rows.prepare(m)
+        rows.decode(m, queue[:c], new, set())  # warm-up, untimed
+        decoded, wall = rows.decode(m, queue, new, set())
+        tokens = sum(len(d.output_ids) for d in decoded)
+        out[m] = {"ms_per_step": 1e3 * wall / max(1, rows.steps_run), "steps": rows.steps_run,
+                  "tau": tokens / max(1, rows.steps_run) / c, "decode_tokens_per_s": tokens / wall}  # fmt: skip
+        say(f"  rows c={c} {m:<8}{out[m]['ms_per_step']:8.2f} ms/step  "
+            f"{out[m]['decode_tokens_per_s']:9.1f} tok/s")  # fmt: skip
+    del rows
+    return out
 
 
 def profile_step(engine: Engine, kind: str, prompt: list[int], replays: int) -> dict:
@@ -350,6 +380,14 @@ def main(argv: list[str] | None = None) -> dict:
         default=0,
         metavar="N",
         help="also profile N replays of each step kind: kernels and GPU busy time",
+    )
+    ap.add_argument(
+        "--concurrency",
+        type=int,
+        nargs="*",
+        default=[],
+        metavar="C",
+        help="also the concurrent engine at these row counts (target, dflash)",
     )
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--no-graphs-too", action="store_true", help="also an engine without graphs")

@@ -45,12 +45,15 @@ def test_evaluate_benchmark_smoke(tmp_path):
     """Every method's step on the eager loop and the engine at both shapes, each priced in
     target steps, as the GPU run's table reads them."""
     out = tmp_path / "evaluate.json"
-    res = _script("evaluate").main(["--smoke", "--budgets", "16", "--out", str(out)])
+    res = _script("evaluate").main(
+        ["--smoke", "--budgets", "16", "--concurrency", "2", "--out", str(out)]
+    )
     assert json.loads(out.read_text())["args"]["smoke"] is True
     for shape in ("smollm2", "qwen3-8b"):
         methods = res[shape]["methods"]
         for name in ("eager target", "eager dflash", "engine (no graphs) target",
-                     "engine (no graphs) dflash", "engine (no graphs) ddtree@16"):  # fmt: skip
+                     "engine (no graphs) dflash", "engine (no graphs) ddtree@16",
+                     "engine (no graphs) rows c=2 target", "engine (no graphs) rows c=2 dflash"):  # fmt: skip
             assert methods[name]["ms_per_step"] > 0 and methods[name]["steps"] > 0
         assert methods["engine (no graphs) target"]["x_target_step"] == 1.0
         assert methods["engine (no graphs) dflash"]["x_target_step"] > 1.0
