@@ -14,8 +14,9 @@ from dflashpipe.errors import ConfigError, DataError
 from dflashpipe.evaluate import EvaluateConfig, check_fit, read_eval_prompts, run
 from dflashpipe.export import save_drafter
 from dflashpipe.model import Drafter, DrafterConfig
+from dflashpipe.plots import plot_concurrency
 from dflashpipe.prompts import Prompt, prompt_key, write_prompts
-from dflashpipe.report import plot_concurrency, under_load
+from dflashpipe.report import under_load
 
 BLOCK = 4
 

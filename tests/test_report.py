@@ -12,7 +12,8 @@ from dflashpipe.decoding.lookup import GRID, LookupConfig, PromptLookupProposer,
 from dflashpipe.decoding.summary import summarize
 from dflashpipe.decoding.types import Decoded
 from dflashpipe.errors import DataError
-from dflashpipe.report import GGUF_FLAGS, run
+from dflashpipe.report import run
+from dflashpipe.serving import GGUF_FLAGS
 from dflashpipe.sources import DROP_REASONS, DropLog
 
 EVAL = {

@@ -19,19 +19,21 @@ from __future__ import annotations
 
 import json
 import os
-import shlex
 from collections import Counter
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")  # files only; no display on cluster nodes
-import matplotlib.pyplot as plt  # noqa: E402
-
-from dflashpipe.decoding.lookup import GRID, OCCURRENCES, SEARCHES  # noqa: E402
-from dflashpipe.errors import DataError  # noqa: E402
-from dflashpipe.sources import DROP_REASONS  # noqa: E402
-from dflashpipe.storage import atomic_path  # noqa: E402
+from dflashpipe.decoding.lookup import GRID, OCCURRENCES, SEARCHES
+from dflashpipe.errors import DataError
+from dflashpipe.plots import (
+    plot_acceptance,
+    plot_concurrency,
+    plot_ddtree,
+    plot_histogram,
+    plot_loss,
+)
+from dflashpipe.serving import serving
+from dflashpipe.sources import DROP_REASONS
+from dflashpipe.storage import atomic_path
 
 
 def _read_json(path: Path) -> dict:
@@ -47,95 +49,6 @@ def read_training(path: Path) -> list[dict]:
     if not rows:
         raise DataError(f"{path} holds no training metrics")
     return rows
-
-
-def _save(fig, dest: Path) -> None:
-    with atomic_path(dest) as tmp:
-        fig.savefig(tmp, format="png", dpi=120, bbox_inches="tight")
-    plt.close(fig)
-
-
-def plot_loss(rows: list[dict], dest: Path) -> None:
-    steps = [r["step"] for r in rows]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    ax1.plot(steps, [r["loss"] for r in rows])
-    ax1.set(xlabel="optimizer step", ylabel="weighted CE loss", title="training loss")
-    slots = len(rows[0]["slot_accuracy"])
-    for k in range(slots):
-        ax2.plot(steps, [r["slot_accuracy"][k] for r in rows], label=f"slot {k + 1}",
-                 color=plt.cm.viridis(k / max(1, slots - 1)))  # fmt: skip
-    ax2.set(xlabel="optimizer step", ylabel="accuracy", title="per-slot accuracy", ylim=(0, 1))
-    ax2.legend(fontsize=6, ncol=2)
-    _save(fig, dest)
-
-
-def plot_acceptance(rows: list[dict], evaluation: dict, dest: Path) -> None:
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot([r["step"] for r in rows], [r["expected_acceptance"] for r in rows],
-            label="expected, from training slot accuracies")  # fmt: skip
-    held = [r for r in rows if "val_expected_acceptance" in r]
-    if held:
-        ax.plot([r["step"] for r in held], [r["val_expected_acceptance"] for r in held], "o-",
-                label="expected, from held-out slot accuracies")  # fmt: skip
-    ax.axhline(evaluation["acceptance_length"], color="C1", linestyle="--",
-               label=f"measured tau {evaluation['acceptance_length']:.2f} (evaluate)")  # fmt: skip
-    if (tau := _lookup_best_tau(evaluation)) is not None:
-        ax.axhline(
-            tau, color="C2", linestyle=":", label=f"prompt lookup at its best, tau {tau:.2f}"
-        )
-    elif lookup := evaluation["baseline"].get("prompt_lookup"):  # metrics without responses
-        tau = lookup["acceptance_length"]
-        ax.axhline(tau, color="C2", linestyle=":", label=f"prompt lookup tau {tau:.2f}")
-    ax.set(xlabel="optimizer step", ylabel="acceptance length", title="acceptance length")
-    ax.legend()
-    _save(fig, dest)
-
-
-def plot_histogram(evaluation: dict, dest: Path) -> None:
-    hist = {int(k): v for k, v in evaluation["histogram"].items()}
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ax.bar(list(hist), list(hist.values()))
-    ax.set(xlabel="tokens accepted per verify step (drafts + 1)", ylabel="verify steps",
-           title=f"acceptance histogram (tau {evaluation['acceptance_length']:.2f})")  # fmt: skip
-    _save(fig, dest)
-
-
-def plot_ddtree(evaluation: dict, dest: Path) -> None:
-    """tau and speedup per DDTree budget, DFlash's (one chain of block_size - 1) as reference."""
-    budgets = sorted(evaluation["ddtree"], key=int)
-    rows = [evaluation["ddtree"][b] for b in budgets]
-    nodes = [int(b) for b in budgets]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    for ax, key, name in ((ax1, "acceptance_length", "tau"), (ax2, "speedup", "speedup")):
-        ax.plot(nodes, [r[key] for r in rows], "o-", label="DDTree")
-        if evaluation.get(key) is not None:
-            ax.axhline(evaluation[key], color="C1", linestyle="--", label="DFlash chain")
-        ax.set(xscale="log", xlabel="tree budget (nodes verified per step)", ylabel=name,
-               title=f"DDTree {name} vs budget")  # fmt: skip
-        ax.set_xticks(nodes, budgets)
-        ax.minorticks_off()  # log-scale minor labels would overprint the budgets
-        ax.legend()
-    _save(fig, dest)
-
-
-def plot_concurrency(evaluation: dict, dest: Path) -> None:
-    """Speedup against target-only at the same concurrency, and generated tok/s, per method."""
-    levels = evaluation["concurrency"]["levels"]
-    cs = sorted(levels, key=int)
-    xs = [int(c) for c in cs]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    for m in levels[cs[0]]:
-        ax1.plot(xs, [levels[c][m]["speedup"] for c in cs], "o-", label=m)
-        ax2.plot(xs, [levels[c][m]["tokens_per_s"] for c in cs], "o-", label=m)
-    ax1.axhline(1.0, color="grey", linestyle=":")
-    ax1.set(ylabel="speedup vs target-only at the same concurrency", title="speedup under load")
-    ax2.set(ylabel="generated tokens/s (all sequences)", title="throughput under load")
-    for ax in (ax1, ax2):
-        ax.set(xscale="log", xlabel="concurrency (sequences decoded at once)")
-        ax.set_xticks(xs, cs)
-        ax.minorticks_off()
-        ax.legend()
-    _save(fig, dest)
 
 
 def _refills(row: dict) -> str:
@@ -380,77 +293,6 @@ def _engine(evaluation: dict) -> str:
     return f"\n- engine: {engine['kind']}{graphs}{eager}"
 
 
-# A GGUF target, as the engines' sources read (neither pairing run here). SGLang: a .gguf
-# --model-path switches --load-format and --quantization to gguf (python/sglang/srt/arg_groups/
-# model_path_hook.py handle_load_format, arg_groups/overrides.py _gguf_quantization), config and
-# tokenizer come from the file (utils/hf_transformers_utils.py get_config, get_tokenizer), and
-# the drafter inherits both: managers/scheduler.py applies --speculative-draft-load-format only
-# when given ("If not specified, will use the same format as --load-format"), and the draft's
-# quantization defaults to the target's unless --speculative-draft-model-quantization is set
-# ("unquant": none). vLLM: `vllm serve ./x.gguf --tokenizer <original HF repo>`, one file,
-# recent versions through the vllm-gguf-plugin package (docs/features/quantization/gguf.md);
-# a .gguf model sets load_format and quantization to gguf (vllm/engine/arg_utils.py
-# create_model_config), and the drafter loads with the target's load config unless the
-# speculative config's `draft_load_config` says otherwise (vllm/config/speculative.py).
-GGUF_FLAGS = "--speculative-draft-load-format auto --speculative-draft-model-quantization unquant"
-
-
-def _gguf_note(target: str) -> str:
-    """What a GGUF target asks of each engine, above the launch lines ('' for other targets)."""
-    if not target.endswith(".gguf"):
-        return ""
-    return (
-        "The target is a GGUF file. SGLang takes it as `--model-path` and switches its load "
-        "format and quantization to gguf, which the drafter inherits unless told otherwise: "
-        f"hence `{GGUF_FLAGS}`. vLLM takes it as the model (one file; recent versions through "
-        "the `vllm-gguf-plugin` package; `--tokenizer` naming the HF repo it was made from "
-        "spares a slow conversion of its tokenizer) and loads the drafter with the target's "
-        "load config unless `draft_load_config` says otherwise. Neither pairing was run here. "
-        "The float32 HF directory dflashpipe converted the GGUF to (`$DFLASHPIPE_CACHE/gguf/`, "
-        "default `~/.cache/dflashpipe/gguf/`, named by the GGUF's sha256) holds the weights "
-        "this drafter trained and was evaluated against, and serves in either engine as any HF "
-        "checkpoint, without those flags.\n"
-    )
-
-
-def serving(evaluation: dict) -> str:
-    """The README's "Serve the drafter" launch lines filled in for this run's drafter and target
-    (paths as evaluate recorded them, relative to the run's directory); '' for metrics written
-    before they recorded the drafter. vLLM does not read block_size from the drafter's
-    config.json: num_speculative_tokens must be block_size - 1, or it drafts a length the drafter
-    never trained on, without an error. A GGUF target adds the flags that keep the drafter's
-    own load format (GGUF_FLAGS, `draft_load_config`)."""
-    drafter, target = evaluation.get("drafter"), evaluation.get("target")
-    if not drafter or not target:
-        return ""
-    path, block = drafter["path"], drafter["block_size"]
-    gguf = target.endswith(".gguf")
-    config = {"method": "dflash", "model": path, "num_speculative_tokens": block - 1}
-    spec = json.dumps(config | ({"draft_load_config": {"load_format": "auto"}} if gguf else {}))
-    sglang_gguf = f" \\\n    {GGUF_FLAGS}" if gguf else ""
-    notes = []
-    exported = Path(path) / "config.json"
-    if exported.is_file():
-        types = set(json.loads(exported.read_text(encoding="utf-8")).get("layer_types") or [])
-        if len(types) > 1:
-            notes.append("- its layers mix sliding-window and full attention: vLLM serves such a "
-                         "drafter with `VLLM_USE_V2_MODEL_RUNNER=1` only")  # fmt: skip
-    if (Path(path) / "mask_embedding.pt").is_file():
-        notes.append("- `mask_embedding.pt` beside it holds its learned mask embedding")
-    return f"""## Serve the drafter
-{_gguf_note(target)}SGLang:
-```
-python -m sglang.launch_server --model-path {shlex.quote(target)} \\
-    --speculative-algorithm DFLASH --speculative-draft-model-path {shlex.quote(path)} \\
-    --speculative-num-draft-tokens {block}{sglang_gguf}
-```
-vLLM (num_speculative_tokens = block size {block} - 1):
-```
-vllm serve {shlex.quote(target)} --speculative-config {shlex.quote(spec)}
-```
-""" + "\n".join(notes)
-
-
 def _dropped(prompts: dict) -> str:
     """The prompts stage's drops, a line per reason with what one count of it is
     (sources.DROP_REASONS) and, where several sources dropped for it, each one's share."""
@@ -542,7 +384,7 @@ def run(train_metrics: str, eval_metrics: str, prompt_stats: str, manifest: str,
     rows = read_training(Path(train_metrics))
     evaluation = _read_json(Path(eval_metrics))
     plot_loss(rows, out / "loss.png")
-    plot_acceptance(rows, evaluation, out / "acceptance.png")
+    plot_acceptance(rows, evaluation, _lookup_best_tau(evaluation), out / "acceptance.png")
     plot_histogram(evaluation, out / "histogram.png")
     if evaluation.get("ddtree"):
         plot_ddtree(evaluation, out / "ddtree.png")
