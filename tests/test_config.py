@@ -169,8 +169,8 @@ def test_cli_reports_error_without_traceback(tmp_path):
     assert "bogus" in done.stderr and "Traceback" not in done.stderr
 
 
-def test_cli_prints_resolved_config(tmp_path):
-    path = write_yaml(tmp_path / "ok.yaml", base_config(tmp_path))
+def test_cli_prints_resolved_config(tmp_path, data_dir):
+    path = write_yaml(tmp_path / "ok.yaml", base_config(data_dir))
     done = subprocess.run(
         [sys.executable, "-m", "dflashpipe", "check-config", "--config", str(path)],
         capture_output=True, text=True, check=True,

@@ -514,6 +514,16 @@ class Config:
         )
 
 
+def is_local_path(name: str) -> bool:
+    """A path on this machine rather than a hub id: it exists, or it is spelt as a path (a hub id
+    is `name` or `org/name`; `resources/` and `results/` are this workflow's own folders)."""
+    return (
+        Path(name).expanduser().exists()
+        or name.startswith(("resources/", "results/", "./", "../", "/", "~"))
+        or name.count("/") > 1
+    )
+
+
 def load_config(path: str | Path) -> Config:
     path = Path(path)
     if not path.is_file():

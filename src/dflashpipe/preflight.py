@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING
 
 from dflashpipe import transformers_support
 from dflashpipe.chat import template_text
+from dflashpipe.config import is_local_path
 from dflashpipe.errors import ConfigError
 from dflashpipe.layout import check_taps, default_target_layer_ids
 
@@ -165,16 +166,6 @@ def named_files(cfg: Config) -> list[tuple[str, str]]:
     if target.tokenizer and is_local_path(target.tokenizer):
         files.append(("target.tokenizer", target.tokenizer))
     return files
-
-
-def is_local_path(name: str) -> bool:
-    """A path on this machine rather than a hub id: it exists, or it is spelt as a path (a hub id
-    is `name` or `org/name`; `resources/` and `results/` are this workflow's own folders)."""
-    return (
-        Path(name).expanduser().exists()
-        or name.startswith(("resources/", "results/", "./", "../", "/", "~"))
-        or name.count("/") > 1
-    )
 
 
 def check_files(cfg: Config) -> None:

@@ -22,7 +22,7 @@ import torch
 
 from dflashpipe import attention, gguf_tokenizer, storage, transformers_support
 from dflashpipe.chat import apply_template_choice, prompt_format
-from dflashpipe.config import TargetConfig
+from dflashpipe.config import TargetConfig, is_local_path
 from dflashpipe.errors import DataError
 
 log = logging.getLogger(__name__)
@@ -49,11 +49,19 @@ class TargetIdentity:
 
 def _is_local(cfg: TargetConfig) -> bool:
     """True for a local directory/file; a missing path that is clearly not a hub id is an error."""
-    if Path(cfg.model).exists():
+    if Path(cfg.model).expanduser().exists():
         return True
-    if cfg.model.startswith(("resources/", "results/", "./", "../", "/", "~")):
-        raise DataError(f"target.model {cfg.model!r} does not exist (run `snakemake resources`?)")
+    if is_local_path(cfg.model):
+        raise DataError(f"target.model {cfg.model!r} does not exist{_fetch_hint(cfg.model)}")
     return False
+
+
+def _fetch_hint(path: str | Path) -> str:
+    """What to do about a missing local target file: fetch it where a `retrieve:` entry makes
+    it (resources/), else name what was expected."""
+    if str(path).startswith("resources/"):
+        return " (`snakemake resources` fetches what the config's retrieve: entries name)"
+    return "; expected a local HF directory or GGUF file there, or a hub id (org/name)"
 
 
 def _hub_kwargs(cfg: TargetConfig, local: bool) -> dict:
@@ -83,7 +91,7 @@ def gguf_cache(cfg: TargetConfig) -> Path | None:
         return None
     gguf = Path(cfg.model) / cfg.gguf_file
     if not gguf.is_file():
-        raise DataError(f"target GGUF file {gguf} does not exist (run `snakemake resources`?)")
+        raise DataError(f"target GGUF file {gguf} does not exist{_fetch_hint(gguf)}")
     final = storage.CACHE_DIR / "gguf" / f"{_file_sha256(gguf)}.v{CONVERSION}"
     if (final / "config.json").is_file():
         return final
