@@ -1,10 +1,12 @@
 """Stage 2, regenerate: the target answers the training prompts of one shard.
 
     prompts/train.parquet ──(rows i::n)──► length-sorted plan ──► samples_per_prompt answers each
-        static (regenerate.engine): the batched engine (decoding/batched.py), every answer in
-                one stream, a row slot refilled once its answer ends (refills gathered into packs)
-        hf:     generate() on left-padded batches, answer index s by s
-        ──► part files every `save_every` answers ──► identical answers to one prompt dropped
+        answers.py, one stream of answers from either engine (regenerate.engine):
+          static: the batched engine (decoding/batched.py), every answer in one stream, a row
+                  slot refilled once its answer ends (refills gathered into packs)
+          hf:     generate() on left-padded batches, answer index s by s
+        ──► save_parts, the one loop: a part file once its answers are in (resume skips the
+            parts on disk; progress and log per part) ──► identical answers to one prompt dropped
         ──► sequences/shard-{i:05d}.parquet (the engine in its metadata)
 
 Each row holds exactly the tokens the target saw and produced (`input_ids`), a `loss_mask` that
@@ -23,29 +25,20 @@ an assistant-only mask.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import shutil
 import time
 from collections import Counter, defaultdict
-from dataclasses import asdict
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-import torch
 from tqdm import tqdm
 
-from dflashpipe import faults
+from dflashpipe.answers import ShardPlan, Source, hf_source, static_source
 from dflashpipe.chat import encode_chat, encode_prompt, encode_prompts, end_of_turn_ids
 from dflashpipe.config import Config, RegenerateConfig
-from dflashpipe.decoding.hf_generate import (
-    fitting_rows,
-    generate_batch,
-    generation_config,
-    padded_shape,
-)
 from dflashpipe.errors import ConfigError, DataError
 from dflashpipe.storage import atomic_path
 
@@ -174,17 +167,6 @@ def part_rows(rows: list[dict], prompts: list[list[int]], answered: list[tuple]
     return out, stats
 
 
-def sampled(gen: RegenerateConfig, sample: int) -> bool:
-    """Whether answer `sample` of each prompt is sampled (else greedy)."""
-    return gen.temperature > 0 and not (sample == 0 and gen.greedy_first)
-
-
-def batch_seed(seed: int, shard: int, sample: int, batch: int) -> int:
-    """The generator seed of one sampled batch: fixed by its place, not by what ran before."""
-    key = repr((seed, shard, sample, batch)).encode()
-    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
-
-
 def dedupe_answers(rows: list[dict], stats: Counter) -> list[dict]:
     """The first of each set of identical answers to one prompt (counted as duplicate_answers)."""
     seen, out = set(), []
@@ -198,29 +180,47 @@ def dedupe_answers(rows: list[dict], stats: Counter) -> list[dict]:
     return out
 
 
-def plan_digest(
-    gen: RegenerateConfig, target: str, width, batches: list[list[list[int]]], shard: int
-) -> str:
-    """What a shard's part files depend on: the stage's settings, the target, the shape (the
-    padded width of generate() and, where fewer rows fit a call, those rows; or the static
-    engine's capacity) and every batch's prompt
-    tokens, in order."""
-    h = hashlib.sha256(json.dumps([asdict(gen), target, width, shard], sort_keys=True).encode())
-    for batch in batches:
-        for ids in batch:
-            h.update(repr(ids).encode())
-        h.update(b"|")
-    return h.hexdigest()
+def save_parts(source: Source, todo: list[int], plan: ShardPlan, parts: PartStore,
+               limit: int | None) -> bool:  # fmt: skip
+    """The one loop over either engine's answers: each part file saved once all its answers are
+    in (the engine's finish out of order), with progress and a log line per part. False when
+    stopped once the saved parts count `limit` batches (--max-batches; the engine's parts count
+    one each) and parts are left."""
+    total = sum(map(len, source.parts.values()))
+    bar = tqdm(total=total, desc="regenerate", unit=" answer", mininterval=2)
+    bar.update(total - sum(len(source.parts[k]) for k in todo))
+    got: dict[int, dict] = defaultdict(dict)
+    saved, spent, new_tokens, start = 0, 0, 0, time.perf_counter()
+    try:
+        for k, place, tokens, finish in source.answers(todo):
+            got[k][place] = (tokens, finish)
+            new_tokens += len(tokens)
+            bar.update(1)
+            if len(got[k]) < len(source.parts[k]):
+                continue
+            done = got.pop(k)
+            answered = [(s, i, *done[n]) for n, (s, i) in enumerate(source.parts[k])]
+            parts.save(k, *part_rows(plan.rows, plan.prompts, answered))
+            saved, spent = saved + 1, spent + source.cost[k]
+            rate = new_tokens / (time.perf_counter() - start)
+            log.info("part %d saved (%d answers); %d new tokens so far, %.0f tok/s%s", k,
+                     len(answered), new_tokens, rate,
+                     f"; {f}" if (f := source.figures()) else "")  # fmt: skip
+            bar.set_postfix(tok_s=f"{rate:.0f}")
+            if limit is not None and spent >= limit and saved < len(todo):
+                return False
+    finally:
+        bar.close()
+    return True
 
 
-def regenerate_rows(rows, model, tok, gen: RegenerateConfig, budget: int, parts: PartStore,
-                    max_batches: int | None = None, shard: int = 0, target: str = "",
-                    engine: str = "hf") -> tuple[list[dict], Counter, bool]:  # fmt: skip
+def regenerate_rows(rows: list[dict], model, tok, gen: RegenerateConfig, budget: int,
+                    parts: PartStore, max_batches: int | None = None, shard: int = 0,
+                    target: str = "", engine: str = "hf") -> tuple[list[dict], Counter, bool]:  # fmt: skip
     """Generate `samples_per_prompt` answers for each of `rows` on `engine` ("static": the
     batched engine, "hf": generate()), saving a part file every `save_every` answers (hf:
     prompts); returns (rows, stats, finished). Stops at a part boundary once `max_batches`
     batches (static: part files) have run. `target` (the target's identity) joins the plan."""
-    eot = end_of_turn_ids(tok)
     t = time.perf_counter()
     prompts = encode_prompts(tok, [r["messages"] for r in rows], gen.enable_thinking)
     log.info("%d prompts encoded in %.1f s", len(prompts), time.perf_counter() - t)
@@ -229,155 +229,19 @@ def regenerate_rows(rows, model, tok, gen: RegenerateConfig, budget: int, parts:
     stats = Counter(prompt_too_long=len(rows) - len(keep))
     by_length = plan_batches([len(prompts[i]) for i in keep], gen.batch_size)
     batches = [[keep[i] for i in b] for b in by_length]
-    args = (rows, prompts, batches, gen, eot, parts, max_batches, shard, target)
-    done = decode_static(model, *args) if engine == "static" else decode_hf(model, tok, *args)
-    if not done:
+    plan = ShardPlan(rows, prompts, batches, gen, end_of_turn_ids(tok), shard, target)
+    source = static_source(model, plan) if engine == "static" else hf_source(model, tok, plan)
+    parts.bind(source.digest)
+    done = parts.done()
+    todo = [k for k in source.parts if k not in done]
+    if done:
+        log.info("resuming: %d of %d part files already done in %s", len(done),
+                 len(todo) + len(done), parts.dir)  # fmt: skip
+    if todo and not save_parts(source, todo, plan, parts, max_batches):
         return [], stats, False
     saved, part_stats = parts.load()
     stats.update(part_stats)  # update keeps zero counts (Counter + drops them)
     return dedupe_answers(saved, stats), stats, True
-
-
-def decode_hf(model, tok, rows, prompts, batches, gen, eot, parts, max_batches, shard, target
-              ) -> bool:  # fmt: skip
-    """generate() over the length-sorted `batches`, each answer index s in turn; a part file
-    per save_every // batch_size batches. False when stopped by max_batches."""
-    pad_id = tok.pad_token_id if tok.pad_token_id is not None else min(eot)
-    kinds = {sampled(gen, s) for s in range(gen.samples_per_prompt)}
-    configs = {kind: generation_config(gen, eot, pad_id, model.device, kind) for kind in kinds}
-    keep = [i for b in batches for i in b]
-    # With a static cache every batch takes the shard's widest shape: one compiled decode graph
-    # serves them all (transformers also sizes the cache for the longest call so far, so a
-    # narrower batch would not decode faster anyway).
-    static = next(iter(configs.values())).cache_implementation == "static"
-    width = padded_shape([len(prompts[i]) for i in keep], 1)[1] if static and keep else 0
-    try:  # refused before anything is decoded; fewer rows per call where the batch would not fit
-        widest = width or padded_shape([len(prompts[i]) for i in keep] or [1], 1)[1]
-        max_rows = fitting_rows(model, gen.batch_size, widest, gen.max_new_tokens)
-    except ValueError as e:
-        raise ConfigError(f"regenerate.batch_size {gen.batch_size}: {e}") from None
-    # calls of fewer rows draw sampled answers (and round bf16 ones) otherwise: part of the plan
-    shape = width if max_rows >= gen.batch_size else [width, max_rows]
-    parts.bind(plan_digest(gen, target, shape, [[prompts[i] for i in b] for b in batches], shard))
-    per_part = max(1, gen.save_every // gen.batch_size)
-    done = parts.done()
-    # part files are numbered by their first batch, answer s's batches after answer s-1's
-    todo = [
-        (s, k)
-        for s in range(gen.samples_per_prompt)
-        for k in range(0, len(batches), per_part)
-        if s * len(batches) + k not in done
-    ]
-    total = len(keep) * gen.samples_per_prompt
-    if done:
-        log.info("resuming: %d of %d part files already done in %s", len(done),
-                 len(todo) + len(done), parts.dir)  # fmt: skip
-    bar = tqdm(total=total, desc="regenerate", unit=" answer", mininterval=2)
-    bar.update(total - sum(len(b) for _, k in todo for b in batches[k : k + per_part]))
-    ran, new_tokens, start = 0, 0, time.perf_counter()
-    for sample, first in todo:
-        if max_batches is not None and ran >= max_batches:
-            bar.close()
-            return False
-        answered = []
-        for b, batch in enumerate(batches[first : first + per_part], start=first):
-            t = time.perf_counter()
-            if sampled(gen, sample):
-                torch.manual_seed(batch_seed(gen.seed, shard, sample, b))
-            answers = generate_batch(model, [prompts[i] for i in batch],
-                                     configs[sampled(gen, sample)], eot, gen.batch_size, width,
-                                     max_rows)  # fmt: skip
-            made = sum(len(new) for new, _ in answers)
-            shape = padded_shape([len(prompts[i]) for i in batch], gen.batch_size, width)
-            log.info("batch of %d prompts, shape %s: %d new tokens in %.1f s", len(batch), shape,
-                     made, time.perf_counter() - t)  # fmt: skip
-            answered += [(sample, i, *a) for i, a in zip(batch, answers, strict=True)]
-            new_tokens += made
-            ran += 1
-            faults.point("regenerate.batch")
-            bar.update(len(batch))
-            bar.set_postfix(tok_s=f"{new_tokens / (time.perf_counter() - start):.0f}")
-        parts.save(sample * len(batches) + first, *part_rows(rows, prompts, answered))
-    bar.close()
-    return True
-
-
-def answer_seed(seed: int, prompt_id: str, sample: int) -> int:
-    """The sampling generator's seed of answer `sample` to a prompt (the static engine): fixed by
-    the prompt and the answer index, not by the slot, batch, shard or run it is decoded in."""
-    key = repr((seed, prompt_id, sample)).encode()
-    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
-
-
-def engine_request(rows: list[dict], prompts: list[list[int]], gen: RegenerateConfig,
-                   sample: int, i: int):  # fmt: skip
-    """The batched engine's request for answer `sample` to prompt i, named by its sample id."""
-    from dflashpipe.decoding.batched import Request
-
-    prompt_id = rows[i]["prompt_id"]
-    seed = answer_seed(gen.seed, prompt_id, sample) if sampled(gen, sample) else None
-    return Request(f"{prompt_id}-{sample}", prompts[i], seed)
-
-
-def decode_static(model, rows, prompts, batches, gen, eot, parts, max_parts, shard, target
-                  ) -> bool:  # fmt: skip
-    """Every answer (index s of each prompt in plan order, s by s) through the batched engine in
-    one stream; part k holds answers k..k+save_every-1 of that list and is saved once they are
-    all in (they finish out of order). Parts saved before are not redone; a part's answers do
-    not depend on what else was decoded beside them, so a resumed shard equals a whole one.
-    False when stopped after `max_parts` part files."""
-    from dflashpipe.decoding.batched import BatchedEngine
-    from dflashpipe.decoding.sampling import Sampling
-
-    order = [i for b in batches for i in b]
-    jobs = [(s, i) for s in range(gen.samples_per_prompt) for i in order]
-    capacity = max((len(prompts[i]) for i in order), default=0) + gen.max_new_tokens
-    try:  # refused before anything is written
-        engine = BatchedEngine(model, gen.batch_size, capacity)
-    except ValueError as e:
-        raise ConfigError(f"regenerate.batch_size {gen.batch_size}: {e}") from None
-    parts.bind(plan_digest(gen, target, ["static", capacity], [[prompts[i] for i in order]], shard))
-    done, size = parts.done(), gen.save_every
-    todo = {k: range(k, min(k + size, len(jobs))) for k in range(0, len(jobs), size)}
-    todo = {k: r for k, r in todo.items() if k not in done}
-    if done:
-        log.info("resuming: %d of %d part files already done in %s", len(done),
-                 len(todo) + len(done), parts.dir)  # fmt: skip
-    if not todo:
-        return True
-    names = [n for r in todo.values() for n in r]  # request index -> job index
-    requests = [engine_request(rows, prompts, gen, *jobs[n]) for n in names]
-    sampling = Sampling(gen.temperature, gen.top_p, gen.top_k) if gen.temperature > 0 else None
-    t = time.perf_counter()
-    engine.prepare(sampling)  # compiling and capturing stay out of the decoding's tok/s
-    log.info("static engine: %d row slots x %d cache slots, CUDA graphs %s, compiled %s; every "
-             "step compiled and captured in %.1f s", engine.rows, engine.capacity, engine.graphs,
-             engine.compiled, time.perf_counter() - t)  # fmt: skip
-    bar = tqdm(total=len(jobs), desc="regenerate", unit=" answer", mininterval=2)
-    bar.update(len(jobs) - len(names))
-    answers, saved, new_tokens, start = defaultdict(dict), 0, 0, time.perf_counter()
-    for a in engine.generate(requests, gen.max_new_tokens, eot, sampling):
-        n = names[a.index]
-        k = n - n % size
-        answers[k][n] = a
-        new_tokens += len(a.tokens)
-        faults.point("regenerate.answer")
-        bar.update(1)
-        if len(answers[k]) < len(todo[k]):
-            continue
-        got = answers.pop(k)
-        answered = [(*jobs[n], got[n].tokens, got[n].finish) for n in todo[k]]
-        parts.save(k, *part_rows(rows, prompts, answered))
-        saved += 1
-        rate = new_tokens / (time.perf_counter() - start)
-        log.info("part %d saved (%d answers); %d new tokens so far, %.0f tok/s; engine %s", k,
-                 len(todo[k]), new_tokens, rate, engine.figures())  # fmt: skip
-        bar.set_postfix(tok_s=f"{rate:.0f}")
-        if max_parts is not None and saved >= max_parts and saved < len(todo):
-            bar.close()
-            return False
-    bar.close()
-    return True
 
 
 def engine_kind(gen: RegenerateConfig, target) -> tuple[str, str]:
