@@ -1,6 +1,7 @@
 """The weighted block loss against a plain dense implementation, labels, and metrics."""
 
 import math
+import re
 
 import pytest
 import torch
@@ -232,3 +233,248 @@ def test_ranking_term_equals_the_dense_reference(distill_weight, rank_weight, ra
                     rank_weight=0.5)  # fmt: skip
     with pytest.raises(ValueError, match="rank_k 30 is not in"):
         dflash_loss(hidden, weight, labels, valid, 4.0, rank_weight=0.1, rank_k=V)
+
+
+# Issue 62: the weights decided after every chunk (decay, D-PACE, expected length), the KL's
+# temperature and greedy-consistent labels. References below are plain loops in float64.
+
+
+def random_blocks(seed, A=4, B=6, H=12, V=30, k=4):
+    """Drafter outputs, a head, labels, valid (a mid-block gap, an all-invalid block) and the
+    target's top-k per slot, sorted most likely first as extract stores them."""
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(A, B, H, generator=g, requires_grad=True)
+    weight = torch.randn(V, H, generator=g) / 2
+    labels = torch.randint(0, V, (A, B), generator=g)
+    valid = torch.ones(A, B, dtype=torch.bool)
+    valid[:, 0] = False
+    valid[1, 3] = False  # a gap: D-PACE and expected length cut block 1's chain at slot 3
+    valid[2, 4:] = False  # the block runs past its document
+    valid[3] = False  # a dropped anchor
+    ids = torch.stack([torch.randperm(V, generator=g)[:k] for _ in range(A * B)]).view(A, B, k)
+    logprobs = torch.randn(A, B, V, generator=g).log_softmax(-1).gather(2, ids)
+    order = logprobs.argsort(-1, descending=True)
+    ids, logprobs = ids.gather(2, order).int(), logprobs.gather(2, order).half()
+    assert (logprobs[..., :-1] >= logprobs[..., 1:]).all()  # extract's topk: most likely first
+    return hidden, weight, labels, valid, (ids, logprobs)
+
+
+def dense_slots(hidden, weight, labels, valid, soft, d=0.0, T=1.0):
+    """Per valid slot (i, j): its loss (1 - d) CE + d T^2 KL(p_T || q_T) over the full vocabulary
+    (a float64 tensor, differentiable) and its acceptance (a float, detached): q(label), or with
+    d > 0 sum_v min(p_v, q_v) over the top-k at temperature 1."""
+    A, B, _ = hidden.shape
+    V = weight.shape[0]
+    loss, accept = {}, {}
+    for i in range(A):
+        for j in range(1, B):
+            if not valid[i, j]:
+                continue
+            z = hidden[i, j].double() @ weight.double().T  # (V,)
+            ce = -torch.log_softmax(z, -1)[labels[i, j]]
+            p = torch.zeros(V, dtype=torch.float64)
+            p[soft[0][i, j].long()] = torch.softmax(soft[1][i, j].double(), -1)
+            q = torch.softmax(z, -1)
+            if d:
+                p_t = torch.zeros(V, dtype=torch.float64)
+                p_t[soft[0][i, j].long()] = torch.softmax(soft[1][i, j].double() / T, -1)
+                log_q_t = torch.log_softmax(z / T, -1)
+                on = p_t > 0
+                kl = (p_t[on] * (p_t[on].log() - log_q_t[on])).sum()
+                loss[i, j] = (1 - d) * ce + d * T * T * kl
+                accept[i, j] = float(torch.minimum(p, q.detach()).sum())
+            else:
+                loss[i, j] = ce
+                accept[i, j] = float(q.detach()[labels[i, j]])
+    return loss, accept
+
+
+def dpace_by_loops(accept, A, B, mix):
+    """D-PACE weights as the module docstring defines them, unnormalized, as floats."""
+    w = {}
+    for i in range(A):
+        blended = []
+        for j in range(1, B):
+            if (i, j) not in accept:
+                break  # the chain is cut at the block's first invalid slot
+            blended.append(mix + (1 - mix) * accept[i, j])
+        prefix = [math.prod(blended[: k + 1]) for k in range(len(blended))]
+        for j in range(1, B):
+            w[i, j] = sum(prefix[j - 1 :]) if j <= len(blended) else 0.0
+    return w
+
+
+def test_default_is_the_old_chunk_formula_to_float32_rounding():
+    """Before issue 62 the kernel multiplied each row's normalized decay weight into its dlogits
+    before the matmul with the head; now it scales the gradient rows afterwards. Same numbers:
+    the old formula, written out in float32 with the ranking and KL terms in the mix."""
+    hidden, weight, labels, valid, soft = random_blocks(3, V=40)
+    d, r, rank_k, gamma = 0.3, 0.2, 2, 4.0
+    loss, _ = dflash_loss(hidden, weight, labels, valid, gamma, chunk_rows=5, soft=soft,
+                          distill_weight=d, rank_weight=r, rank_k=rank_k)  # fmt: skip
+    (grad,) = torch.autograd.grad(loss, hidden)
+
+    A, B, H = hidden.shape
+    k = torch.arange(B, dtype=torch.float32)
+    w = torch.where(k > 0, torch.exp(-(k - 1) / gamma), 0.0) * valid
+    w = (w / w.sum()).flatten()  # (A*B,)
+    rows, lab = hidden.detach().reshape(-1, H), labels.flatten()
+    ids, lp = soft[0].reshape(A * B, -1).long(), soft[1].reshape(A * B, -1).float()
+    z = rows @ weight.T  # (A*B, V) float32
+    q = z.softmax(-1)
+    p = lp.softmax(-1)
+    others = z.scatter(1, lab[:, None], float("-inf"))
+    kth, kth_ids = others.topk(rank_k, -1)
+    margin = kth[:, -1] - z.gather(1, lab[:, None])[:, 0]
+    ce = -z.log_softmax(-1).gather(1, lab[:, None])[:, 0]
+    kl = (p * (p.log() - z.log_softmax(-1).gather(1, ids))).sum(-1)
+    old_loss = (w * ((1 - d - r) * ce + d * kl + r * F.softplus(margin))).sum()
+    dz = (1 - r) * q
+    dz.scatter_add_(1, lab[:, None], torch.full((A * B, 1), -(1 - d - r)))
+    dz.scatter_add_(1, ids, -d * p)
+    push = r * torch.sigmoid(margin)[:, None]
+    dz.scatter_add_(1, kth_ids[:, -1:], push).scatter_add_(1, lab[:, None], -push)
+    old_grad = ((dz * w[:, None]) @ weight).view(A, B, H)
+    torch.testing.assert_close(loss, old_loss, atol=0, rtol=1e-6)
+    torch.testing.assert_close(grad, old_grad, atol=1e-7, rtol=1e-5)
+    # and the new keywords at their defaults are exactly today's call
+    same, _ = dflash_loss(hidden, weight, labels, valid, gamma, chunk_rows=5, soft=soft,
+                          distill_weight=d, rank_weight=r, rank_k=rank_k, weighting="decay",
+                          dpace_mix=0.5, objective="cross_entropy", kl_temperature=1.0)  # fmt: skip
+    assert torch.equal(same, loss)
+
+
+def test_dpace_and_expected_length_weights_hand_computed():
+    from dflashpipe.loss import dpace_weights, expected_length_weights
+
+    a = torch.tensor([[0.8, 0.6, 0.4], [0.5, 0.9, 0.9], [0.3, 0.3, 0.3]])
+    valid = torch.tensor([[1, 1, 1], [1, 0, 1], [0, 0, 0]], dtype=torch.bool)
+    # mix 0.5: blended 0.9, 0.8, 0.7 -> prefix products 0.9, 0.72, 0.504 -> suffix sums;
+    # block 1 is cut at its invalid slot 2 (its valid slot 3 weighs nothing); block 2 is empty
+    want = [[0.9 + 0.72 + 0.504, 0.72 + 0.504, 0.504], [0.75, 0, 0], [0, 0, 0]]
+    torch.testing.assert_close(dpace_weights(a, valid, 0.5), torch.tensor(want))
+    want_one = [[3.0, 2.0, 1.0], [1.0, 0, 0], [0, 0, 0]]  # mix 1: the chain's remaining length
+    torch.testing.assert_close(dpace_weights(a, valid, 1.0), torch.tensor(want_one))
+    # expected length: P = 0.8, 0.48, 0.192 and 0.5; two blocks with a valid slot
+    loss, w = expected_length_weights(a, valid)
+    torch.testing.assert_close(loss, torch.tensor(-(0.8 + 0.48 + 0.192 + 0.5) / 2))
+    want_c = [[(0.8 + 0.48 + 0.192) / 2, (0.48 + 0.192) / 2, 0.192 / 2], [0.25, 0, 0], [0, 0, 0]]
+    torch.testing.assert_close(w, torch.tensor(want_c))
+
+
+@pytest.mark.parametrize(("distill_weight", "T", "mix"), [(0.0, 1.0, 0.5), (1.0, 2.0, 0.25)])
+def test_dpace_loss_and_gradient_equal_the_dense_reference(distill_weight, T, mix):
+    """D-PACE over cross-entropy (acceptance q(label)) and over the tempered KL (acceptance
+    sum min(p, q)): the loss is sum w l / sum w with the weights as constants, so its gradient
+    is that of the weighted losses alone (detached weights)."""
+    hidden, weight, labels, valid, soft = random_blocks(4)
+    A, B, _ = hidden.shape
+    loss, metrics = dflash_loss(hidden, weight, labels, valid, 4.0, chunk_rows=5, soft=soft,
+                                distill_weight=distill_weight, kl_temperature=T,
+                                weighting="dpace", dpace_mix=mix)  # fmt: skip
+    (grad,) = torch.autograd.grad(loss, hidden)
+
+    ref_hidden = hidden.detach().double().requires_grad_()
+    slots, accept = dense_slots(ref_hidden, weight, labels, valid, soft, distill_weight, T)
+    w = dpace_by_loops(accept, A, B, mix)
+    assert w[1, 4] == w[1, 5] == 0 and w[0, 1] > w[0, 5] > 0  # the cut, and the decreasing sums
+    ref = sum(w[s] * slots[s] for s in slots) / sum(w[s] for s in slots)
+    (ref_grad,) = torch.autograd.grad(ref, ref_hidden)
+    torch.testing.assert_close(loss.double(), ref.detach(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(grad.double(), ref_grad, atol=1e-6, rtol=1e-4)
+    decay, decay_metrics = dflash_loss(hidden.detach(), weight, labels, valid, 4.0, soft=soft,
+                                       distill_weight=distill_weight, kl_temperature=T)  # fmt: skip
+    assert abs(loss.item() - decay.item()) > 1e-3  # the weights really changed
+    assert all(torch.equal(metrics[m], decay_metrics[m]) for m in metrics)
+
+
+@pytest.mark.parametrize("chunk_rows", [3, 4096])
+def test_expected_length_gradient_equals_autograd_of_the_dense_objective(chunk_rows):
+    """-E[tau - 1] per block, a_j = q(label_j) NOT detached: the kernel's weights c_j / A' must
+    give exactly the gradient autograd finds through the prefix products."""
+    hidden, weight, labels, valid, _ = random_blocks(5, V=12)  # a small vocabulary: a_j not tiny
+    A, B, _ = hidden.shape
+    loss, _ = dflash_loss(hidden, weight, labels, valid, 4.0, chunk_rows=chunk_rows,
+                          objective="expected_length")  # fmt: skip
+    (grad,) = torch.autograd.grad(loss, hidden)
+
+    ref_hidden = hidden.detach().double().requires_grad_()
+    z = ref_hidden @ weight.double().T  # (A, B, V): full logits, no chunks
+    a = z.softmax(-1).gather(2, labels[..., None])[..., 0]  # (A, B)
+    total, blocks = 0.0, 0
+    for i in range(A):
+        blocks += bool(valid[i].any())
+        prefix = 1.0
+        for j in range(1, B):
+            if not valid[i, j]:
+                break  # the chain ends at the first invalid slot
+            prefix = prefix * a[i, j]
+            total = total + prefix
+    ref = -total / blocks
+    (ref_grad,) = torch.autograd.grad(ref, ref_hidden)
+    assert blocks == 3 and ref_grad[1, 4:].abs().max() == 0  # past block 1's cut: no gradient
+    torch.testing.assert_close(loss.double(), ref.detach(), atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(grad.double(), ref_grad, atol=1e-7, rtol=1e-4)
+
+
+@pytest.mark.parametrize("T", [0.5, 3.0])
+def test_kl_temperature_equals_the_dense_reference(T):
+    """(1 - d) CE + d T^2 KL(p_T || q_T) with the decay weights, against the dense float64 sum."""
+    hidden, weight, labels, valid, soft = random_blocks(6)
+    d, gamma = 0.6, 4.0
+    loss, _ = dflash_loss(hidden, weight, labels, valid, gamma, chunk_rows=4, soft=soft,
+                          distill_weight=d, kl_temperature=T)  # fmt: skip
+    (grad,) = torch.autograd.grad(loss, hidden)
+    ref_hidden = hidden.detach().double().requires_grad_()
+    slots, _ = dense_slots(ref_hidden, weight, labels, valid, soft, d, T)
+    w = {(i, j): math.exp(-(j - 1) / gamma) for i, j in slots}
+    ref = sum(w[s] * slots[s] for s in slots) / sum(w.values())
+    (ref_grad,) = torch.autograd.grad(ref, ref_hidden)
+    torch.testing.assert_close(loss.double(), ref.detach(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(grad.double(), ref_grad, atol=1e-6, rtol=1e-4)
+    plain, _ = dflash_loss(hidden.detach(), weight, labels, valid, gamma, soft=soft,
+                           distill_weight=d)  # fmt: skip
+    assert abs(loss.item() - plain.item()) > 1e-3  # the temperature is really in the loss
+
+
+def test_greedy_labels_hand_made():
+    from dflashpipe.loss import greedy_labels
+
+    labels = torch.tensor([[0, 11, 12, 13, 14], [0, 21, 22, 0, 24]])
+    valid = torch.tensor([[0, 1, 1, 1, 1], [0, 1, 1, 0, 1]], dtype=torch.bool)
+    top = torch.tensor([[99, 11, 12, 50, 14], [98, 21, 22, 7, 60]])  # the target's argmax
+    logprobs = torch.tensor([-0.1, -2.0, -3.5])  # (k,) most likely first, as extract sorts them
+    assert (logprobs[:-1] >= logprobs[1:]).all()
+    soft_ids = torch.stack([top, top + 100, top + 200], -1).int()  # (A=2, B=5, k=3)
+    got, keep = greedy_labels(labels, valid, soft_ids)
+    # block 0 parts from the answer at slot 3 (50, not 13): slot 3 keeps 50, slot 4 is dropped;
+    # block 1's slot 3 is invalid (its label unknown), so only slot 4's 60 vs 24 parts, last
+    assert keep.tolist() == [[False, True, True, True, False], [False, True, True, False, True]]
+    assert got.tolist() == [[0, 11, 12, 50, 0], [0, 21, 22, 0, 60]]
+    assert got.dtype == labels.dtype
+    with pytest.raises(ValueError, match="soft_ids"):
+        greedy_labels(labels, valid, soft_ids[:, :4])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "named"),
+    [
+        ({"weighting": "cumulative"}, "weighting 'cumulative'"),
+        ({"objective": "cap"}, "objective 'cap'"),
+        ({"kl_temperature": 0.0, "distill_weight": 0.5}, "kl_temperature 0.0"),
+        ({"kl_temperature": -1.0, "distill_weight": 0.5}, "kl_temperature -1.0"),
+        ({"kl_temperature": 2.0}, "kl_temperature 2.0 needs the KL"),
+        ({"weighting": "dpace", "dpace_mix": 1.5}, "dpace_mix 1.5"),
+        ({"weighting": "dpace", "dpace_mix": float("nan")}, "dpace_mix nan"),
+        ({"dpace_mix": 0.3}, "dpace_mix 0.3 needs weighting 'dpace'"),
+        ({"weighting": "dpace", "distill_weight": 0.5}, "distill_weight 0.5 needs the soft"),
+        ({"objective": "expected_length", "weighting": "dpace"}, "weighting"),
+        ({"objective": "expected_length", "distill_weight": 0.5}, "distill_weight"),
+        ({"objective": "expected_length", "rank_weight": 0.5}, "rank_weight"),
+    ],
+)
+def test_bad_arguments_are_refused_naming_them(kwargs, named):
+    hidden, weight = torch.randn(2, 4, 8), torch.randn(10, 8)
+    labels, valid = torch.zeros(2, 4, dtype=torch.long), torch.ones(2, 4, dtype=torch.bool)
+    with pytest.raises(ValueError, match=re.escape(named)):
+        dflash_loss(hidden, weight, labels, valid, 4.0, **kwargs)

@@ -1,28 +1,59 @@
-"""The DFlash training objective: position-weighted cross-entropy over the block slots.
+"""The DFlash training objective: a loss per block slot, weighted once every slot is seen.
 
 Slot k (1..B-1) of the block anchored at a predicts x_{a+k} (same position, no shift); slot 0 holds
 the known token x_a and carries no loss. A label counts only where a+k is inside the anchor's
-document and supervised (loss_mask = 1). Earlier slots matter more, because a draft is accepted
-only up to its first miss: w_k = exp(-(k-1)/gamma), normalized by the weight of the valid labels.
+document and supervised (loss_mask = 1).
 
-With soft targets (train.distill_weight = d > 0) each slot's term is (1 - d) CE(x_{a+k}) +
-d KL(p || q): p the target's distribution over x_{a+k} (its top-k from extract, renormalized over
-those k ids; the target predicted x_{a+k} at position a+k-1), q the drafter's softmax over the
-whole vocabulary. Same slot weights, same valid labels.
+  hidden (A, B, H) -> rows (N = A*(B-1), H) -> chunks of c rows: z = rows @ W^T (c, V)
+      per row: loss l_i, acceptance a_i, correct_i, unweighted gradient g_i = dl_i/drow_i (c, H)
+  after the last chunk: weights w (A, B-1) from a and valid (decay | dpace | expected length)
+      loss = sum_i w_i l_i; saved gradient w_i g_i (scaling rows commutes with the matmul)
 
-With a ranking term (train.rank_weight = r > 0; issue 24's tree-aware lever) a slot also pays
-r softplus(z_c - z_label), z the drafter's logits and c the train.rank_k-th most likely token other
-than the label: small once the label is among the rank_k tokens DDTree's tree search takes from
-the slot (evaluate.tree_top_k), large while it is not; cross-entropy keeps the rest of the share.
+Per-slot loss (objective="cross_entropy", the default): (1 - d - r) CE(x_{a+k}) + d T^2
+KL(p_T || q_T) + r softplus(z_c - z_label).
+- KL (train.distill_weight = d > 0): p_T = softmax(log p / T) over the target's top-k for x_{a+k}
+  (extract's k ids, renormalized; the target predicted x_{a+k} at position a+k-1), q_T =
+  softmax(z / T) over the whole vocabulary: forward KL with temperature T (kl_temperature, 1 by
+  default). The T^2 is Hinton et al.'s distillation scale: the KL's gradient in the logits,
+  (q_T - p_T) / T, shrinks like 1/T^2 as T grows, so without it d would mean less at every T > 1;
+  with it d keeps its meaning as the soft term's share, and T = 1 is the plain KL.
+- Ranking (train.rank_weight = r > 0; issue 24's tree-aware lever): c is the rank_k-th most
+  likely token other than the label: small once the label is among the rank_k tokens DDTree's
+  tree search takes from the slot (evaluate.tree_top_k), large while it is not.
+
+Acceptance a_k of slot k: the drafter's probability of its label, exp(z_label - lse); with the KL
+in the loss (d > 0), sum_v min(p_v, q_v) over the target's top-k (p renormalized, both at
+temperature 1: speculative sampling's acceptance). A block's expected accepted length is
+1 + sum_k prod_{j<=k} a_j (DFLASH2.md, "Acceptance-aware objectives").
+
+Slot weights (weighting=):
+- "decay" (default): w_k = exp(-(k-1)/gamma) on valid labels, normalized by their sum: a draft is
+  accepted only up to its first miss, so earlier slots matter more.
+- "dpace" (D-PACE): with b_j = m + (1 - m) a_j, a_j detached and m = dpace_mix in [0, 1] (0.5 by
+  default: each slot's acceptance blended halfway toward 1), slot j weighs
+  sum_{k >= j} prod_{i <= k} b_i, a block's chain cut at its first invalid slot (b = 0 there and
+  after); normalized by the sum over valid rows, as the decay weights are. This is the project's
+  reading of DFLASH2.md's wording ("a detached estimate of how much expected length depends on
+  it, the sum over later slots of the prefix products of per-slot acceptance, each blended toward
+  1 by a mixing factor"): no reference code was available here.
+
+objective="expected_length" (one peer's accept loss): -(1/A') sum_blocks sum_k prod_{j<=k} a_j,
+a_j the label's probability, the chain cut at a block's first invalid slot, A' the blocks with a
+valid slot (E[tau]'s constant 1 dropped). Not detached: its exact gradient in slot j's logits is
+c_j / A' times cross-entropy's, c_j = sum_{k >= j} prod_{i <= k} a_i (expected_length_weights).
+
+greedy_labels: the target's argmax as each slot's label, a block's slots dropped after its first
+argmax that leaves the sampled answer (greedy verification accepts only the argmax chain).
 
 The LM head is the target's (vocabularies of 150k+), so full float32 logits for a whole batch
-would be gigabytes. The head and the cross-entropy run together over chunks of rows; each chunk
-writes its loss and its gradient with respect to the hidden states at once (the head is frozen,
-so that is the only gradient), and only (chunk, V) logits exist at any time.
+would be gigabytes. The head and the loss run together over chunks of rows; each chunk writes its
+losses and their gradient with respect to the hidden states at once (the head is frozen, so that
+is the only gradient), and only (chunk, V) logits exist at any time.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -31,7 +62,7 @@ from torch import Tensor
 
 # gamma by block size, as published (B=16: 7, B=10: 5, B=8: 4).
 KNOWN_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
-_CHUNK_KERNELS: dict[tuple[bool, bool], Callable] = {}
+_CHUNK_KERNELS: dict[tuple[bool, bool, tuple], Callable] = {}
 # Elements of one chunk's (rows, V) float32 logits (640 MiB): Qwen3's 151,936-token vocabulary
 # keeps its 1,024-row chunks (those of the MFU calibration), Gemma 3's 262,144 gets 640 rows.
 LOGITS_BUDGET = 160 * 2**20
@@ -95,6 +126,10 @@ def block_soft_targets(
     return topk_ids[at], topk_logprobs[at]
 
 
+WEIGHTINGS = ("decay", "dpace")
+OBJECTIVES = ("cross_entropy", "expected_length")
+
+
 def dflash_loss(
     hidden: Tensor,
     lm_head_weight: Tensor,
@@ -107,18 +142,61 @@ def dflash_loss(
     distill_weight: float = 0.0,
     rank_weight: float = 0.0,
     rank_k: int = 8,
+    *,
+    weighting: str = "decay",
+    dpace_mix: float = 0.5,
+    objective: str = "cross_entropy",
+    kl_temperature: float = 1.0,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """Weighted CE (mixed with the soft-target KL) of the drafter's block outputs, and metrics as
+    """The weighted block loss of the drafter's outputs (module docstring), and metrics as
     tensors (no host sync).
 
     hidden (A, B, H) from the drafter; lm_head_weight (V, H) frozen; labels, valid (A, B);
     soft: (A, B, k) top-k ids and log-probs from block_soft_targets, needed when distill_weight
-    (the KL's share, in [0, 1]) is > 0. rank_weight: the share of the ranking term (the label
-    among the drafter's rank_k most likely tokens: softplus(the rank_k-th largest other logit -
-    the label's)); cross-entropy takes 1 - distill_weight - rank_weight. Returns the scalar
-    float32 loss and {"slot_accuracy": (B-1,), "acceptance_length": (), "slot_labels": (B-1,)
-    valid-label counts}. compile: default on CUDA.
+    (the KL's share, in [0, 1]) is > 0. rank_weight: the ranking term's share (rank_k: see the
+    module docstring); cross-entropy takes 1 - distill_weight - rank_weight. weighting "decay"
+    (gamma) or "dpace" (dpace_mix); objective "cross_entropy" or "expected_length";
+    kl_temperature: the KL's T. Returns the scalar float32 loss and {"slot_accuracy": (B-1,),
+    "acceptance_length": (), "slot_labels": (B-1,) valid-label counts}. compile: default on CUDA.
     """
+    check_loss_arguments(lm_head_weight, soft, distill_weight, rank_weight, rank_k, weighting,
+                         dpace_mix, objective, kl_temperature)  # fmt: skip
+    A, B, H = hidden.shape
+    valid = valid[:, 1:]  # (A, B-1)
+    rows = hidden[:, 1:].reshape(-1, H)  # (A*(B-1), H)
+    soft_ids = soft_logprobs = None
+    if distill_weight:
+        soft_ids = soft[0][:, 1:].flatten(0, 1).long()  # (A*(B-1), k)
+        soft_logprobs = soft[1][:, 1:].flatten(0, 1).float()  # (A*(B-1), k)
+    # (d, r, rank_k, T, overlap): fixed per run, so one compiled kernel per run
+    terms = (float(distill_weight), float(rank_weight), int(rank_k), float(kl_temperature),
+             weighting == "dpace" and distill_weight > 0)  # fmt: skip
+    decay = slot_weights(B, gamma, hidden.device)[1:] * valid  # (A, B-1)
+
+    def weigh(losses: Tensor, acceptance: Tensor) -> tuple[Tensor, Tensor]:
+        """(N,) each -> the loss and (N,) row weights, once every chunk has run."""
+        a = acceptance.view(A, B - 1)
+        if objective == "expected_length":
+            loss, w = expected_length_weights(a, valid)
+            return loss, w.flatten()
+        w = dpace_weights(a, valid, dpace_mix) if weighting == "dpace" else decay
+        w = (w / w.sum().clamp_min(1e-12)).flatten()
+        return (w * losses).sum(), w
+
+    compile = hidden.is_cuda if compile is None else compile
+    loss, correct = _LinearCrossEntropy.apply(
+        rows, lm_head_weight, labels[:, 1:].flatten(), chunk_rows, compile, soft_ids,
+        soft_logprobs, terms, weigh,
+    )  # fmt: skip
+    return loss, slot_metrics(correct.view(A, B - 1), valid)
+
+
+def check_loss_arguments(
+    lm_head_weight: Tensor, soft: tuple[Tensor, Tensor] | None, distill_weight: float,
+    rank_weight: float, rank_k: int, weighting: str, dpace_mix: float, objective: str,
+    kl_temperature: float,
+) -> None:  # fmt: skip
+    """Refuse what dflash_loss cannot honour, naming the argument."""
     if lm_head_weight.requires_grad:
         raise ValueError("lm_head_weight requires grad; the target's LM head must stay frozen")
     if not 0 <= distill_weight <= 1:
@@ -130,23 +208,72 @@ def dflash_loss(
         )
     if rank_weight and not 1 <= rank_k < lm_head_weight.shape[0]:
         raise ValueError(f"rank_k {rank_k} is not in [1, vocabulary {lm_head_weight.shape[0]})")
+    if weighting not in WEIGHTINGS:
+        raise ValueError(f"weighting {weighting!r} is not one of {WEIGHTINGS}")
+    if objective not in OBJECTIVES:
+        raise ValueError(f"objective {objective!r} is not one of {OBJECTIVES}")
+    if not 0 <= dpace_mix <= 1:
+        raise ValueError(f"dpace_mix {dpace_mix} is not a mixing factor in [0, 1]")
+    if not 0 < kl_temperature < math.inf:
+        raise ValueError(f"kl_temperature {kl_temperature} is not a temperature > 0")
     if distill_weight and soft is None:
         raise ValueError(f"distill_weight {distill_weight} needs the soft targets (soft=)")
-    A, B, H = hidden.shape
-    w = slot_weights(B, gamma, hidden.device)[1:] * valid[:, 1:]  # (A, B-1)
-    row_weights = (w / w.sum().clamp_min(1e-12)).flatten()  # (A*(B-1),)
-    rows = hidden[:, 1:].reshape(-1, H)  # (A*(B-1), H)
-    soft_ids = soft_logprobs = None
-    if distill_weight:
-        soft_ids = soft[0][:, 1:].flatten(0, 1).long()  # (A*(B-1), k)
-        soft_logprobs = soft[1][:, 1:].flatten(0, 1).float()  # (A*(B-1), k)
-    compile = hidden.is_cuda if compile is None else compile
-    mix = (float(distill_weight), float(rank_weight), int(rank_k))
-    loss, correct = _LinearCrossEntropy.apply(
-        rows, lm_head_weight, labels[:, 1:].flatten(), row_weights, chunk_rows, compile,
-        soft_ids, soft_logprobs, mix,
-    )  # fmt: skip
-    return loss, slot_metrics(correct.view(A, B - 1), valid[:, 1:])
+    # Settings that would silently do nothing are refused too: they are someone's mistake.
+    if kl_temperature != 1 and not distill_weight:
+        raise ValueError(f"kl_temperature {kl_temperature} needs the KL (distill_weight > 0)")
+    if dpace_mix != 0.5 and weighting != "dpace":
+        raise ValueError(f"dpace_mix {dpace_mix} needs weighting 'dpace', not {weighting!r}")
+    if objective == "expected_length" and (distill_weight or rank_weight or weighting != "decay"):
+        raise ValueError(
+            "objective 'expected_length' is the whole loss, with its own slot weights: it takes "
+            f"no distill_weight ({distill_weight}), rank_weight ({rank_weight}) or weighting "
+            f"({weighting!r} given; leave it 'decay')"
+        )
+
+
+def suffix_sums(x: Tensor) -> Tensor:
+    """(A, S) -> (A, S): out[:, j] = sum_{k >= j} x[:, k]."""
+    return x.flip(1).cumsum(1).flip(1)
+
+
+def dpace_weights(acceptance: Tensor, valid: Tensor, mix: float) -> Tensor:
+    """(A, S) unnormalized D-PACE weights: sum_{k >= j} prod_{i <= k} (mix + (1 - mix) a_i),
+    the chain cut at each block's first invalid slot. acceptance is detached by the caller's
+    autograd Function (it runs under no_grad)."""
+    blended = torch.where(valid, mix + (1 - mix) * acceptance, 0.0)  # (A, S); 0 cuts the chain
+    return suffix_sums(blended.cumprod(1))
+
+
+def expected_length_weights(acceptance: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
+    """-E[tau - 1] per block with a valid slot, and its row weights c_j / A' (A, S).
+
+    P_k = prod_{j<=k} a_j (the chain cut at the first invalid slot); loss = -(1/A') sum P_k. With
+    a_j = softmax(z_j)[label_j], d a_j / d z_j = a_j (onehot - softmax), and for k >= j
+    d P_k / d a_j = P_k / a_j, so d P_k / d z_j = P_k (onehot - softmax) (no division: exact at
+    a_j = 0 too). Summed: d loss / d z_j = (1/A') sum_{k >= j} P_k (softmax - onehot) = (c_j / A')
+    times cross-entropy's gradient g_j: the true gradient, not a stop-gradient choice."""
+    chain = torch.where(valid, acceptance, 0.0).cumprod(1)  # (A, S) P_k
+    blocks = valid.any(1).sum().clamp_min(1)  # A'
+    return -chain.sum() / blocks, suffix_sums(chain) / blocks
+
+
+def greedy_labels(labels: Tensor, valid: Tensor, soft_ids: Tensor) -> tuple[Tensor, Tensor]:
+    """Greedy-consistent labels (A, B) and valid (A, B): each valid slot labelled with the target's
+    argmax (soft_ids[..., 0]: extract's topk is sorted, most likely first), and a block's slots
+    after its first valid slot whose argmax is not the sampled label dropped. That slot keeps the
+    argmax: the verifier's chain would produce it, and part from the answer there.
+
+    labels, valid (A, B) from block_labels; soft_ids (A, B, k) from block_soft_targets. Only valid
+    slots are compared: block_labels zeroes the others' labels."""
+    if soft_ids.dim() != 3 or soft_ids.shape[:2] != labels.shape:
+        raise ValueError(
+            f"soft_ids {tuple(soft_ids.shape)} is not (A, B, k) for labels {tuple(labels.shape)}"
+        )
+    top = soft_ids[..., 0].to(labels.dtype)  # (A, B)
+    parted = valid & (top != labels)  # (A, B)
+    after = parted.cumsum(1) - parted.long() > 0  # strictly after a block's first parting
+    keep = valid & ~after
+    return torch.where(keep, top, 0), keep
 
 
 def slot_metrics(correct: Tensor, valid: Tensor) -> dict[str, Tensor]:
@@ -165,14 +292,16 @@ def slot_metrics(correct: Tensor, valid: Tensor) -> dict[str, Tensor]:
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
-    """sum_i row_weight_i * [(1 - d - r) CE(z_i, label_i) + d KL(p_i || softmax(z_i)) + r
-    softplus(z_i[c_i] - z_i[label_i])], z_i = rows_i @ W^T, chunked; grad only for the rows.
-    mix = (d, r, k): distill and rank weights, rank k; p_i = softmax(soft_logprobs_i) on
-    soft_ids_i (nothing elsewhere); c_i the k-th most likely token other than the label."""
+    """sum_i w_i l_i, z_i = rows_i @ W^T, chunked; grad only for the rows. Per row l_i = (1 - d - r)
+    CE(z_i, label_i) + d T^2 KL(p_i,T || softmax(z_i / T)) + r softplus(z_i[c_i] - z_i[label_i]);
+    terms = (d, r, k, T, overlap): p_i = softmax(soft_logprobs_i / T) on soft_ids_i (nothing
+    elsewhere), c_i the k-th most likely token other than the label; overlap: acceptance as
+    sum min(p, q) rather than q(label). weigh(losses, acceptance) -> (loss, w) runs once all
+    rows are seen."""
 
     @staticmethod
-    def forward(ctx, rows, weight, labels, row_weights, chunk_rows, compile, soft_ids,
-                soft_logprobs, mix):  # fmt: skip
+    def forward(ctx, rows, weight, labels, chunk_rows, compile, soft_ids, soft_logprobs, terms,
+                weigh):  # fmt: skip
         need_grad = ctx.needs_input_grad[0]
         N = rows.shape[0]
         # Equal chunks: one compiled shape for every chunk. Rows come in a fixed count per step,
@@ -182,23 +311,25 @@ class _LinearCrossEntropy(torch.autograd.Function):
         pad = -N % chunk_rows
         rows_p = F.pad(rows, (0, 0, 0, pad))
         labels_p = F.pad(labels, (0, pad))
-        weights_p = F.pad(row_weights, (0, pad))
         soft = () if soft_ids is None else (
             F.pad(soft_ids, (0, 0, 0, pad)), F.pad(soft_logprobs, (0, 0, 0, pad))
         )  # fmt: skip
-        kernel = _chunk_kernel(need_grad, compile, mix)
-        loss = torch.zeros((), device=rows.device, dtype=torch.float32)
+        kernel = _chunk_kernel(need_grad, compile, terms)
+        losses = torch.empty(N + pad, device=rows.device, dtype=torch.float32)
+        acceptance = torch.empty_like(losses)
         correct = torch.empty(N + pad, device=rows.device, dtype=torch.bool)
-        grad = torch.empty_like(rows_p) if need_grad else None
+        grad = torch.empty_like(rows_p) if need_grad else None  # the one (N, H) buffer
         for s in range(0, N + pad, chunk_rows):
             e = s + chunk_rows
-            chunk_loss, correct[s:e], chunk_grad = kernel(
-                rows_p[s:e], weight, labels_p[s:e], weights_p[s:e], *(t[s:e] for t in soft)
+            losses[s:e], acceptance[s:e], correct[s:e], chunk_grad = kernel(
+                rows_p[s:e], weight, labels_p[s:e], *(t[s:e] for t in soft)
             )
-            loss += chunk_loss
             if need_grad:
                 grad[s:e] = chunk_grad
-        ctx.save_for_backward(grad[:N] if need_grad else None)
+        loss, row_weights = weigh(losses[:N], acceptance[:N])  # (), (N,): on device, no sync
+        if need_grad:
+            grad = grad[:N].mul_(row_weights[:, None])  # in place: no second (N, H) buffer
+        ctx.save_for_backward(grad)
         ctx.mark_non_differentiable(correct)
         return loss, correct[:N]
 
@@ -209,54 +340,62 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
 
 def _chunk_loss(
-    rows: Tensor, weight: Tensor, labels: Tensor, row_weights: Tensor, need_grad: bool,
-    mix: tuple[float, float, int] = (0.0, 0.0, 8), soft_ids: Tensor | None = None,
-    soft_logprobs: Tensor | None = None,
+    rows: Tensor, weight: Tensor, labels: Tensor, need_grad: bool,
+    terms: tuple[float, float, int, float, bool] = (0.0, 0.0, 8, 1.0, False),
+    soft_ids: Tensor | None = None, soft_logprobs: Tensor | None = None,
 ):  # fmt: skip
-    distill_weight, rank_weight, rank_k = mix
+    """One chunk's (c,) losses, (c,) acceptances, (c,) correct and (c, H) unweighted gradient."""
+    distill_weight, rank_weight, rank_k, T, overlap = terms
     hard = 1 - distill_weight - rank_weight
     logits = (rows @ weight.T).float()  # (c, V)
     lse = logits.logsumexp(-1)  # (c,)
     picked = logits.gather(1, labels[:, None])[:, 0]  # (c,)
     per_row = hard * (lse - picked)  # (c,) CE
+    acceptance = torch.exp(picked - lse)  # (c,) q(label)
     if distill_weight:
-        log_p = soft_logprobs.log_softmax(-1)  # (c, k) the target's top-k, renormalized
+        lse_t = lse if T == 1 else (logits / T).logsumexp(-1)  # (c,)
+        log_p = (soft_logprobs / T).log_softmax(-1)  # (c, k) the target's top-k, renormalized
         p = log_p.exp()
-        log_q = logits.gather(1, soft_ids) - lse[:, None]  # (c, k) the drafter's, same ids
-        per_row = per_row + distill_weight * (p * (log_p - log_q)).sum(-1)  # KL
+        log_q = logits.gather(1, soft_ids) / T - lse_t[:, None]  # (c, k) the drafter's, same ids
+        per_row = per_row + distill_weight * T * T * (p * (log_p - log_q)).sum(-1)  # T^2 KL
+        if overlap:  # speculative sampling's acceptance, at temperature 1 whatever T
+            q = torch.exp(logits.gather(1, soft_ids) - lse[:, None])  # (c, k)
+            acceptance = torch.minimum(soft_logprobs.softmax(-1), q).sum(-1)
     if rank_weight:
         # The label ranks among the k most likely iff it beats the k-th most likely other token.
         others = logits.scatter(1, labels[:, None], float("-inf"))
         kth, kth_ids = others.topk(rank_k, -1)  # (c, k)
         margin = kth[:, -1] - picked  # (c,)
         per_row = per_row + rank_weight * F.softplus(margin)
-    loss = (per_row * row_weights).sum()
     correct = logits.argmax(-1) == labels
     if not need_grad:
-        return loss, correct, None
-    # d CE / d logits = softmax - onehot(label); d KL / d logits = softmax - p on the k ids
-    # (p sums to 1); d rank / d logits = sigmoid(margin) (onehot(c) - onehot(label)). Mixed:
-    # (1 - r) softmax - (1 - d - r) onehot - d p + r sigmoid (onehot(c) - onehot(label)).
-    dlogits = torch.exp(logits - lse[:, None]) * (1 - rank_weight)  # (c, V)
+        return per_row, acceptance, correct, None
+    # d CE / d logits = softmax - onehot(label); d T^2 KL / d logits = T (softmax(z / T) - p) on
+    # the k ids (p sums to 1); d rank / d logits = sigmoid(margin) (onehot(c) - onehot(label)).
+    # At T = 1, mixed: (1 - r) softmax - (1 - d - r) onehot - d p + r sigmoid (onehot(c) - ...).
+    if distill_weight and T != 1:
+        dlogits = torch.exp(logits - lse[:, None]) * hard  # (c, V)
+        dlogits += torch.exp(logits / T - lse_t[:, None]) * (distill_weight * T)
+    else:
+        dlogits = torch.exp(logits - lse[:, None]) * (1 - rank_weight)  # (c, V)
     dlogits.scatter_add_(1, labels[:, None], torch.full_like(picked, -hard)[:, None])
     if distill_weight:
-        dlogits.scatter_add_(1, soft_ids, -distill_weight * p)
+        dlogits.scatter_add_(1, soft_ids, -distill_weight * T * p)
     if rank_weight:
         push = rank_weight * torch.sigmoid(margin)[:, None]  # (c, 1)
         dlogits.scatter_add_(1, kth_ids[:, -1:], push)
         dlogits.scatter_add_(1, labels[:, None], -push)
-    dlogits = dlogits * row_weights[:, None]
-    return loss, correct, dlogits.to(rows.dtype) @ weight  # (c, H)
+    return per_row, acceptance, correct, dlogits.to(rows.dtype) @ weight  # (c, H)
 
 
-def _chunk_kernel(need_grad: bool, compile: bool, mix: tuple[float, float, int]) -> Callable:
-    key = (need_grad, compile, mix)
+def _chunk_kernel(need_grad: bool, compile: bool, terms: tuple) -> Callable:
+    key = (need_grad, compile, terms)
     if key not in _CHUNK_KERNELS:
 
-        def kernel(rows, weight, labels, row_weights, *soft):
-            return _chunk_loss(rows, weight, labels, row_weights, need_grad, mix, *soft)
+        def kernel(rows, weight, labels, *soft):
+            return _chunk_loss(rows, weight, labels, need_grad, terms, *soft)
 
-        # Compiled, softmax, the one-hot subtraction and the weighting fuse into the logits'
-        # epilogue instead of each writing a (chunk, V) float32 tensor.
+        # Compiled, softmax and the one-hot subtraction fuse into the logits' epilogue instead
+        # of each writing a (chunk, V) float32 tensor.
         _CHUNK_KERNELS[key] = torch.compile(kernel, dynamic=False) if compile else kernel
     return _CHUNK_KERNELS[key]
