@@ -219,8 +219,10 @@ def tiny_features(tiny_target_dir, tmp_path_factory) -> dict:
 
     def build(out: Path) -> None:
         from dflashpipe.config import Config
+        from dflashpipe.extract import ExtractPaths
         from dflashpipe.extract import run as extract
         from dflashpipe.prompts import Prompt, prompt_key, write_prompts
+        from dflashpipe.regenerate import RegeneratePaths
         from dflashpipe.regenerate import run as regenerate
         from dflashpipe.shards import build_manifest
         from dflashpipe.storage import write_json
@@ -236,9 +238,11 @@ def tiny_features(tiny_target_dir, tmp_path_factory) -> dict:
         cfg = Config.from_dict(raw)
         shards = []
         for i in range(2):
-            regenerate(cfg, str(out / "train.parquet"), i, str(out / f"seq-{i}.parquet"))
+            regenerate(
+                cfg, RegeneratePaths(str(out / "train.parquet"), i, str(out / f"seq-{i}.parquet"))
+            )
             shards.append(out / f"shard-{i:05d}.arrow")
-            extract(cfg, str(out / f"seq-{i}.parquet"), i, str(shards[-1]))
+            extract(cfg, ExtractPaths(str(out / f"seq-{i}.parquet"), i, str(shards[-1])))
         write_json(out / "manifest.json", build_manifest(shards))
 
     out = shared_dir(tmp_path_factory, "features", build)
@@ -255,6 +259,7 @@ def tiny_topk_features(tiny_features, tmp_path_factory) -> dict:
 
     def build(out: Path) -> None:
         from dflashpipe.config import Config
+        from dflashpipe.extract import ExtractPaths
         from dflashpipe.extract import run as extract
         from dflashpipe.shards import build_manifest
         from dflashpipe.storage import write_json
@@ -262,7 +267,7 @@ def tiny_topk_features(tiny_features, tmp_path_factory) -> dict:
         cfg = Config.from_dict(raw)
         for i in range(2):
             seq = tiny_features["dir"] / f"seq-{i}.parquet"
-            extract(cfg, str(seq), i, str(out / f"shard-{i:05d}.arrow"))
+            extract(cfg, ExtractPaths(str(seq), i, str(out / f"shard-{i:05d}.arrow")))
         write_json(out / "manifest.json", build_manifest(sorted(out.glob("shard-*.arrow"))))
 
     out = shared_dir(tmp_path_factory, "topk-features", build)

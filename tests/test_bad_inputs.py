@@ -113,12 +113,12 @@ def stage(*argv: str) -> Callable[[], None]:
 
 
 def train_run(env: Env, config: Path, manifest: Path) -> tuple[Callable, list[Path]]:
+    from dflashpipe.launcher import TrainPaths
     from dflashpipe.train import main
 
     out = env.tmp / "train"
-    argv = ["--config", str(config), "--manifest", str(manifest), "--run-dir", str(out / "run"),
-            "--drafter", str(out / "drafter"), "--metrics", str(out / "metrics.jsonl")]  # fmt: skip
-    return (lambda: main(argv)), [out / "drafter" / "model.safetensors", out / "metrics.jsonl"]
+    paths = TrainPaths(config, manifest, out / "run", out / "drafter", out / "metrics.jsonl")
+    return (lambda: main([paths.to_json()])), [out / "drafter" / "model.safetensors", paths.metrics]
 
 
 def prompts_run(env: Env, sources: list[dict]) -> tuple[Callable, list[Path]]:

@@ -19,7 +19,7 @@ from dflashpipe.decoding.memory import cache_bytes, generate_rows, prefill_bytes
 from dflashpipe.decoding.sampling import Sampling
 from dflashpipe.errors import ConfigError
 from dflashpipe.prompts import Prompt, prompt_key, write_prompts
-from dflashpipe.regenerate import PartStore, run
+from dflashpipe.regenerate import PartStore, RegeneratePaths, run
 from dflashpipe.target import load_target
 
 ASK = ["What is 2+2?", "Say hi.", "Name a color.", "What is the capital of France?",
@@ -165,8 +165,8 @@ def test_flex_blocks_attend_as_the_dense_length_mask(window):
     masked attention over the whole cache (GQA: 6 query heads over 2 KV heads)."""
     from torch.nn.attention.flex_attention import flex_attention
 
-    from dflashpipe.decoding.batched_step import FLEX_BLOCK, flex_blocks, flex_mask
     from dflashpipe.decoding.families import windowed
+    from dflashpipe.decoding.layers import FLEX_BLOCK, flex_blocks, flex_mask
 
     g = torch.Generator().manual_seed(0)
     C, length = 3 * FLEX_BLOCK, torch.tensor([0, 5, 127, 128, 200, 383])
@@ -178,7 +178,7 @@ def test_flex_blocks_attend_as_the_dense_length_mask(window):
     mask = flex_mask(blocks, length, C)
     got = flex_attention(q, k, v, block_mask=mask, scale=0.25, enable_gqa=True)
     cols = torch.arange(C)
-    full = (cols[None] <= length[:, None])[:, None]  # (R, 1, C), as decode_inputs builds it
+    full = (cols[None] <= length[:, None])[:, None]  # (R, 1, C), as rows_inputs builds it
     dense = windowed(full, length[:, None], cols[None], window)
     want = torch.nn.functional.scaled_dot_product_attention(
         q, k.repeat_interleave(3, 1), v.repeat_interleave(3, 1), attn_mask=dense[:, None],
@@ -260,19 +260,19 @@ def test_regenerate_on_the_engine_resumes_to_the_same_answers(tiny_target_dir, t
     prompts = write_questions(tmp_path / "p.parquet", 10)
     sampled = {"samples_per_prompt": 2, "temperature": 1.0, "top_p": 0.9, "top_k": 40, "seed": 7}
     whole = tmp_path / "whole.parquet"
-    assert run(config(tiny_target_dir, **sampled), str(prompts), 0, str(whole))
+    assert run(config(tiny_target_dir, **sampled), RegeneratePaths(str(prompts), 0, str(whole)))
     meta = pq.read_table(whole).schema.metadata
     assert meta[b"engine"] == b"static" and b"auto" in meta[b"engine_reason"]
     resumed = tmp_path / "resumed.parquet"
     cfg = config(tiny_target_dir, **sampled, batch_size=5)
-    assert not run(cfg, str(prompts), 0, str(resumed), max_batches=1)
+    assert not run(cfg, RegeneratePaths(str(prompts), 0, str(resumed)), max_batches=1)
     assert len(PartStore(resumed).done()) == 1
-    while not run(cfg, str(prompts), 0, str(resumed), max_batches=2):
+    while not run(cfg, RegeneratePaths(str(prompts), 0, str(resumed)), max_batches=2):
         pass
     assert rows(resumed) == rows(whole)
     greedy = {r["sample_id"]: r for r in rows(whole) if r["sample_id"].endswith("-0")}
     hf = tmp_path / "hf.parquet"
-    run(config(tiny_target_dir, engine="hf"), str(prompts), 0, str(hf))
+    run(config(tiny_target_dir, engine="hf"), RegeneratePaths(str(prompts), 0, str(hf)))
     assert {r["sample_id"]: r for r in rows(hf)} == greedy
     assert pq.read_table(hf).schema.metadata[b"engine"] == b"hf"
 
@@ -287,7 +287,7 @@ def test_too_many_rows_for_the_memory_are_refused(tiny, tiny_target_dir, tmp_pat
     prompts = write_questions(tmp_path / "p.parquet", 2)
     out = tmp_path / "o.parquet"
     with pytest.raises(ConfigError, match=r"regenerate\.batch_size 100000000: .*more than"):
-        run(config(tiny_target_dir, batch_size=10**8), str(prompts), 0, str(out))
+        run(config(tiny_target_dir, batch_size=10**8), RegeneratePaths(str(prompts), 0, str(out)))
     assert not out.exists() and not PartStore(out).dir.exists()  # nothing written
 
 
@@ -336,7 +336,7 @@ def test_generate_rows_that_cannot_fit_are_refused_before_decoding(tiny_target_d
     out = tmp_path / "o.parquet"
     huge = config(tiny_target_dir, engine="hf", max_new_tokens=10**10)
     with pytest.raises(ConfigError, match=r"regenerate\.batch_size 3: not even one prompt"):
-        run(huge, str(prompts), 0, str(out))
+        run(huge, RegeneratePaths(str(prompts), 0, str(out)))
     assert not out.exists() and not PartStore(out).dir.exists()
 
 
@@ -376,10 +376,16 @@ def test_an_unsupported_family_is_refused_by_static_and_falls_back_on_auto(
     ).save_pretrained(target)
     prompts = write_questions(tmp_path / "p.parquet", 2)
     with pytest.raises(ConfigError, match=r"regenerate\.engine is static.*'gpt2'"):
-        run(config(target, engine="static"), str(prompts), 0, str(tmp_path / "s.parquet"))
+        run(
+            config(target, engine="static"),
+            RegeneratePaths(str(prompts), 0, str(tmp_path / "s.parquet")),
+        )
     assert not (tmp_path / "s.parquet").exists()
     with caplog.at_level("INFO", logger="dflashpipe.regenerate"):
-        assert run(config(target, max_new_tokens=2), str(prompts), 0, str(tmp_path / "a.parquet"))
+        assert run(
+            config(target, max_new_tokens=2),
+            RegeneratePaths(str(prompts), 0, str(tmp_path / "a.parquet")),
+        )
     assert "engine hf (regenerate.engine auto: transformers' generate(), since" in caplog.text
     assert pq.read_table(tmp_path / "a.parquet").schema.metadata[b"engine"] == b"hf"
 

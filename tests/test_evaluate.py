@@ -10,8 +10,16 @@ from transformers import AutoConfig
 from dflashpipe.config import TargetConfig
 from dflashpipe.decoding.summary import ahead_per_source
 from dflashpipe.decoding.types import Decoded
+from dflashpipe.devices import DeviceLease
 from dflashpipe.errors import ConfigError, DataError
-from dflashpipe.evaluate import EvaluateConfig, check_fit, read_eval_prompts, run
+from dflashpipe.evaluate import (
+    EvaluateConfig,
+    EvaluatePaths,
+    EvaluateSettings,
+    check_fit,
+    read_eval_prompts,
+    run,
+)
 from dflashpipe.export import save_drafter
 from dflashpipe.model import Drafter, DrafterConfig
 from dflashpipe.plots import plot_concurrency
@@ -19,6 +27,12 @@ from dflashpipe.prompts import Prompt, prompt_key, write_prompts
 from dflashpipe.report import under_load
 
 BLOCK = 4
+
+
+def evaluate(target, drafter_dir, prompts, out, ev, device="cpu") -> dict:
+    """evaluate.run on `device`, without a lease (as `--device` runs it)."""
+    paths = EvaluatePaths(drafter_dir, prompts, out)
+    return run(EvaluateSettings(target, ev), paths, DeviceLease(fixed=str(device)))
 
 
 def _prompt(source: str, text: str) -> Prompt:
@@ -58,7 +72,9 @@ def test_metrics_json(tiny_target_dir, target_config, eval_table, tmp_path):
     ev = EvaluateConfig(
         num_prompts=10, max_new_tokens=10, prompt_lookup_num_tokens=3, tree_nodes=[2, 8]
     )
-    metrics = run(TargetConfig(model=str(tiny_target_dir)), drafter_dir, eval_table, out, ev, "cpu")
+    metrics = evaluate(
+        TargetConfig(model=str(tiny_target_dir)), drafter_dir, eval_table, out, ev, "cpu"
+    )
     assert json.loads(out.read_text()) == json.loads(json.dumps(metrics))
     for key in (
         "acceptance_length",
@@ -170,7 +186,7 @@ def test_bf16_run_reports_agreement_and_checks_losslessness_in_float32(
     drafter_dir = _export(target_config, tmp_path / "drafter")
     target = TargetConfig(model=str(tiny_target_dir), dtype="bfloat16")
     ev = EvaluateConfig(num_prompts=1, max_new_tokens=6, tree_nodes=[4], engine=engine)
-    metrics = run(target, drafter_dir, eval_table, tmp_path / "m.json", ev, "cpu")
+    metrics = evaluate(target, drafter_dir, eval_table, tmp_path / "m.json", ev, "cpu")
     assert metrics["run_dtype"] == "bfloat16"
     assert 0.0 <= metrics["bf16_agreement"] <= 1.0
     assert metrics["lossless_fraction"] == 1.0
@@ -204,7 +220,7 @@ def test_worker_processes_give_the_same_responses(
     drafter_dir = _export(target_config, tmp_path / "drafter")
     target = TargetConfig(model=str(tiny_target_dir))
     one, two = (
-        run(target, drafter_dir, eval_table, tmp_path / f"{w}.json",
+        evaluate(target, drafter_dir, eval_table, tmp_path / f"{w}.json",
             EvaluateConfig(num_prompts=10, max_new_tokens=10, workers=w, tree_nodes=[4]),
             device)
         for w in (1, 2)
@@ -245,7 +261,7 @@ def test_a_drafter_for_another_target_is_refused_before_decoding(
     drafter_dir = _export(other, tmp_path / "drafter", **ids)
     out = tmp_path / "metrics.json"
     with pytest.raises(DataError, match=field) as err:
-        run(
+        evaluate(
             TargetConfig(model=str(tiny_target_dir)),
             drafter_dir,
             eval_table,
@@ -282,7 +298,7 @@ def test_only_too_long_prompts_is_an_error(tiny_target_dir, target_config, tmp_p
     write_prompts(tmp_path / "eval.parquet", [_prompt("x", "word " * 2100)])
     drafter_dir = _export(target_config, tmp_path / "drafter")
     with pytest.raises(DataError, match="prompt_too_long"):
-        run(
+        evaluate(
             TargetConfig(model=str(tiny_target_dir)),
             drafter_dir,
             tmp_path / "eval.parquet",
@@ -313,7 +329,7 @@ def test_a_tree_budget_beyond_the_context_is_refused(
     drafter_dir = _export(target_config, tmp_path / "drafter")
     ev = EvaluateConfig(num_prompts=1, max_new_tokens=8, tree_nodes=[16, 2040])
     with pytest.raises(ConfigError, match="evaluate.tree_nodes 2040 .* context of 2048"):
-        run(TargetConfig(model=str(tiny_target_dir)), drafter_dir, eval_table,
+        evaluate(TargetConfig(model=str(tiny_target_dir)), drafter_dir, eval_table,
             tmp_path / "m.json", ev, "cpu")  # fmt: skip
 
 
@@ -326,7 +342,7 @@ def test_lossless_check_off_skips_the_float32_pass(tiny_target_dir, target_confi
     ev = EvaluateConfig(num_prompts=2, max_new_tokens=6, tree_nodes=[4], lossless_check=False,
                         methods=["target", "dflash", "ddtree"])  # fmt: skip
     with caplog.at_level("WARNING", logger="dflashpipe.evaluate"):
-        metrics = run(target, drafter_dir, eval_table, tmp_path / "m.json", ev, "cpu")
+        metrics = evaluate(target, drafter_dir, eval_table, tmp_path / "m.json", ev, "cpu")
     assert "lossless_check is off" in caplog.text
     assert metrics["lossless_fraction"] is None and metrics["first_divergence"] is None
     assert [r["lossless"] for r in metrics["responses"]] == [None, None]
@@ -350,7 +366,7 @@ def test_lossless_prompts_checks_the_first_prompts_alone(
     target = TargetConfig(model=str(tiny_target_dir), dtype="bfloat16")
     ev = EvaluateConfig(num_prompts=10, max_new_tokens=6, tree_nodes=[4], lossless_prompts=checked,
                         workers=workers, methods=["target", "dflash", "ddtree"])  # fmt: skip
-    metrics = run(target, drafter_dir, eval_table, tmp_path / "m.json", ev, "cpu")
+    metrics = evaluate(target, drafter_dir, eval_table, tmp_path / "m.json", ev, "cpu")
     verdicts = [r["lossless"] for r in metrics["responses"]]
     assert len(verdicts) == 3 and None not in verdicts[:checked]
     assert verdicts[checked:] == [None] * (3 - checked)
@@ -392,7 +408,7 @@ def test_concurrency_levels_decode_the_same_answers(tiny_target_dir, target_conf
     ev = EvaluateConfig(num_prompts=10, max_new_tokens=8, prompt_lookup_num_tokens=3,
                         methods=["target", "dflash", "prompt_lookup"], concurrency=[2, 5],
                         concurrency_waves=1, lossless_prompts=1)  # fmt: skip
-    metrics = run(TargetConfig(model=str(tiny_target_dir)), drafter_dir, eval_table,
+    metrics = evaluate(TargetConfig(model=str(tiny_target_dir)), drafter_dir, eval_table,
                   tmp_path / "m.json", ev, "cpu")  # fmt: skip
     figures = metrics["concurrency"]
     assert sorted(figures["levels"], key=int) == ["1", "2", "5"] and figures["largest"] == 5
@@ -444,7 +460,7 @@ def test_a_load_level_queues_the_prompts_in_whole_passes(tiny_target_dir, target
     drafter_dir = _export(target_config, tmp_path / "drafter")
     ev = EvaluateConfig(num_prompts=10, max_new_tokens=8, methods=["target", "dflash"],
                         concurrency=[2], concurrency_waves=3, lossless_prompts=1)  # fmt: skip
-    metrics = run(TargetConfig(model=str(tiny_target_dir)), drafter_dir, eval_table,
+    metrics = evaluate(TargetConfig(model=str(tiny_target_dir)), drafter_dir, eval_table,
                   tmp_path / "m.json", ev, "cpu")  # fmt: skip
     levels = metrics["concurrency"]["levels"]
     answered = sum(r["new_tokens"] for r in metrics["responses"])
@@ -467,5 +483,5 @@ def test_a_concurrency_that_cannot_run_is_refused_before_decoding(
     out = tmp_path / "m.json"
     with pytest.raises(ConfigError, match="evaluate.concurrency"):
         ev = EvaluateConfig(num_prompts=2, max_new_tokens=6, concurrency=levels)
-        run(TargetConfig(model=str(tiny_target_dir)), drafter_dir, eval_table, out, ev, "cpu")
+        evaluate(TargetConfig(model=str(tiny_target_dir)), drafter_dir, eval_table, out, ev, "cpu")
     assert not out.exists()

@@ -13,12 +13,14 @@ from transformers import LlamaConfig, LlamaModel
 from dflashpipe.config import Config
 from dflashpipe.errors import DataError
 from dflashpipe.extract import (
+    ExtractPaths,
     forward_taps,
     plan_batches,
     run,
     truncate_base,
 )
 from dflashpipe.prompts import Prompt, prompt_key, write_prompts
+from dflashpipe.regenerate import RegeneratePaths
 from dflashpipe.regenerate import run as regenerate
 from dflashpipe.shards import FeatureShard, build_manifest, check_manifest, stats_path, verify_shard
 from dflashpipe.taps import LayerTaps
@@ -52,7 +54,10 @@ def sequences(tiny_target_dir, tmp_path):
         )
     write_prompts(tmp_path / "train.parquet", prompts)
     out = tmp_path / "seq.parquet"
-    regenerate(_cfg(tiny_target_dir, tmp_path), str(tmp_path / "train.parquet"), 0, str(out))
+    regenerate(
+        _cfg(tiny_target_dir, tmp_path),
+        RegeneratePaths(str(tmp_path / "train.parquet"), 0, str(out)),
+    )
     return out
 
 
@@ -91,7 +96,7 @@ def test_batches_fit_the_budget():
 def test_stage_writes_decodable_shard(tiny_target_dir, sequences, tmp_path, codec):
     cfg = _cfg(tiny_target_dir, tmp_path, codec=codec)
     out = tmp_path / "features" / "shard-00000.arrow"
-    run(cfg, str(sequences), 0, str(out))
+    run(cfg, ExtractPaths(str(sequences), 0, str(out)))
     shard = FeatureShard(out)
     assert len(shard) == 12 and shard.info.codec == codec and shard.info.layer_ids == [0, 1]
     assert shard.info.hidden_size == 64 and json.loads(stats_path(out).read_text())["samples"] == 12
@@ -115,7 +120,7 @@ def test_topk_soft_targets_are_the_targets_next_token_distribution(
     raw["drafter"]["target_layer_ids"] = [0]
     cfg = Config.from_dict(raw)
     out = tmp_path / "shard-00000.arrow"
-    run(cfg, str(sequences), 0, str(out))
+    run(cfg, ExtractPaths(str(sequences), 0, str(out)))
     shard = FeatureShard(out)
     assert len(shard) == 12 and shard.info.topk == 8 and shard.info.layer_ids == [0]
     model, _ = load_target(cfg.target, torch.device("cpu"))  # the causal LM, head included
@@ -160,7 +165,7 @@ def test_manifest_totals_mismatch_and_checksum(tiny_target_dir, sequences, tmp_p
     cfg = _cfg(tiny_target_dir, tmp_path)
     paths = []
     for name in ("shard-00000.arrow", "shard-00001.arrow"):
-        run(cfg, str(sequences), 0, str(tmp_path / name))
+        run(cfg, ExtractPaths(str(sequences), 0, str(tmp_path / name)))
         paths.append(tmp_path / name)
     m = build_manifest(paths)
     assert m["totals"]["samples"] == 24 and m["layer_ids"] == [0, 1] and m["hidden_size"] == 64
@@ -185,9 +190,7 @@ def test_overflow_truncate_and_skip(tiny_target_dir, sequences, tmp_path):
         out = tmp_path / f"{overflow}.arrow"
         run(
             _cfg(tiny_target_dir, tmp_path, max_length=limit, overflow=overflow),
-            str(sequences),
-            0,
-            str(out),
+            ExtractPaths(str(sequences), 0, str(out)),
         )
         stats = json.loads(stats_path(out).read_text())
         over = sum(n > limit for n in lengths)
@@ -219,11 +222,11 @@ def test_nan_activations_are_skipped_and_counted(tiny_target_dir, sequences, tmp
     cfg.target.model = str(bad)
     # the sequences were made with the same tokenizer but other weights: refused by default...
     with pytest.raises(DataError, match="weights_sha256"):
-        run(cfg, str(sequences), 0, str(tmp_path / "x.arrow"))
+        run(cfg, ExtractPaths(str(sequences), 0, str(tmp_path / "x.arrow")))
     # ...so remake them with the poisoned target, then extract
     seq2 = tmp_path / "seq2.parquet"
-    regenerate(cfg, str(tmp_path / "train.parquet"), 0, str(seq2))
-    run(cfg, str(seq2), 0, str(tmp_path / "nan.arrow"))
+    regenerate(cfg, RegeneratePaths(str(tmp_path / "train.parquet"), 0, str(seq2)))
+    run(cfg, ExtractPaths(str(seq2), 0, str(tmp_path / "nan.arrow")))
     stats = json.loads(stats_path(tmp_path / "nan.arrow").read_text())
     assert stats["skipped"]["nan_or_inf"] == uses >= 1
     assert len(FeatureShard(tmp_path / "nan.arrow")) == 12 - uses
@@ -263,9 +266,7 @@ def test_sequences_of_another_tokenizer_are_refused(tiny_target_dir, sequences, 
     with pytest.raises(DataError, match="tokenizer_sha256"):
         run(
             _cfg(tiny_target_dir, tmp_path),
-            str(tmp_path / "other.parquet"),
-            0,
-            str(tmp_path / "o.arrow"),
+            ExtractPaths(str(tmp_path / "other.parquet"), 0, str(tmp_path / "o.arrow")),
         )
     assert not (tmp_path / "o.arrow").exists()
 

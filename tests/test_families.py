@@ -270,10 +270,13 @@ def test_refilled_rows_hold_the_prompts_caches(target, prompts, drafter, refill)
     concurrent = ConcurrentEngine(engine, len(prompts), refill=refill)
     concurrent.decode("dflash", prompts, 2, set())  # prompt i in row i, one verify step each
     kv = torch.stack([*concurrent.k_all, *concurrent.v_all])
+    # a slot written wrong or not at all is off by O(1); the pack's matmuls over all prompts'
+    # tokens at once sum in another order than one prompt's prefill, which four std-0.3 layers
+    # carry to ~2e-5 on a few of the last layer's keys
     for i, (ids, (target_kv, context)) in enumerate(zip(prompts, want, strict=True)):
         P = len(ids)
-        torch.testing.assert_close(kv[:, i, :, :P], target_kv, rtol=1e-4, atol=1e-5)
-        torch.testing.assert_close(concurrent.dkv[:, i, :, :P], context, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(kv[:, i, :, :P], target_kv, rtol=1e-4, atol=5e-5)
+        torch.testing.assert_close(concurrent.dkv[:, i, :, :P], context, rtol=1e-4, atol=5e-5)
 
 
 def test_a_tree_verify_gives_the_hf_logits_of_each_path(target, prompts):
@@ -307,8 +310,11 @@ def test_the_stages_run_the_family_on_the_engine(family_dir, target, tmp_path):
     for the family; the exported drafter then decodes losslessly on the engine."""
     from dflashpipe.config import Config
     from dflashpipe.export import load_drafter
+    from dflashpipe.extract import ExtractPaths
     from dflashpipe.extract import run as extract
+    from dflashpipe.launcher import TrainPaths
     from dflashpipe.prompts import Prompt, prompt_key, write_prompts
+    from dflashpipe.regenerate import RegeneratePaths
     from dflashpipe.regenerate import run as regenerate
     from dflashpipe.shards import build_manifest
     from dflashpipe.storage import write_json
@@ -328,14 +334,15 @@ def test_the_stages_run_the_family_on_the_engine(family_dir, target, tmp_path):
     write_prompts(tmp_path / "train.parquet", [Prompt(prompt_key(m), "t", str(i), 0, m, None, "f")
                                                for i, m in enumerate(msgs)])  # fmt: skip
     cfg = Config.from_dict(raw)
-    regenerate(cfg, str(tmp_path / "train.parquet"), 0, str(tmp_path / "seq.parquet"))
+    regenerate(
+        cfg, RegeneratePaths(str(tmp_path / "train.parquet"), 0, str(tmp_path / "seq.parquet"))
+    )
     shard = tmp_path / "shard-00000.arrow"
-    extract(cfg, str(tmp_path / "seq.parquet"), 0, str(shard))
+    extract(cfg, ExtractPaths(str(tmp_path / "seq.parquet"), 0, str(shard)))
     write_json(tmp_path / "manifest.json", build_manifest([shard]))
     (tmp_path / "c.yaml").write_text(json.dumps(raw))
-    train(["--config", str(tmp_path / "c.yaml"), "--manifest", str(tmp_path / "manifest.json"),
-           "--run-dir", str(tmp_path / "run"), "--drafter", str(tmp_path / "drafter"),
-           "--metrics", str(tmp_path / "metrics.jsonl")])  # fmt: skip
+    train([TrainPaths(tmp_path / "c.yaml", tmp_path / "manifest.json", tmp_path / "run",
+                      tmp_path / "drafter", tmp_path / "metrics.jsonl").to_json()])  # fmt: skip
     model, tok = target
     embed = model.get_input_embeddings().weight
     drafter = load_drafter(tmp_path / "drafter", embed, model.get_output_embeddings().weight)

@@ -10,6 +10,7 @@ from dflashpipe.config import Config, PromptsConfig, SourceConfig
 from dflashpipe.errors import DataError
 from dflashpipe.prompts import (
     BadConversation,
+    PromptsPaths,
     _prompts_of,
     build,
     normalize_turns,
@@ -229,9 +230,9 @@ def test_missing_source_file_fails_cleanly(data_dir, tmp_path):
 
 
 def test_run_output_is_reproducible(data_dir, tmp_path):
-    cfg = Config.from_dict(base_config(data_dir)).prompts
+    cfg = Config.from_dict(base_config(data_dir))
     for d in ("a", "b"):
-        run(cfg, tmp_path / d / "t.parquet", tmp_path / d / "e.parquet", tmp_path / d / "s.json")
+        run(cfg, PromptsPaths(*(tmp_path / d / n for n in ("t.parquet", "e.parquet", "s.json"))))
     assert read_prompts(tmp_path / "a" / "t.parquet") == read_prompts(tmp_path / "b" / "t.parquet")
     assert (tmp_path / "a" / "s.json").read_text() == (tmp_path / "b" / "s.json").read_text()
 
@@ -270,7 +271,9 @@ def test_code_source_stats_name_the_files_read(data_dir, tmp_path):
     (code / "test" / "test_calc.py").write_text("def test_double():\n    assert True\n")
     raw = base_config(data_dir)
     raw["prompts"]["sources"].append({"name": "code", "kind": "python", "path": str(code)})
-    stats = run(Config.from_dict(raw).prompts, *(tmp_path / n for n in ("t.pq", "e.pq", "s.json")))
+    stats = run(
+        Config.from_dict(raw), PromptsPaths(*(tmp_path / n for n in ("t.pq", "e.pq", "s.json")))
+    )
     written = json.loads((tmp_path / "s.json").read_text())
     assert written == json.loads(json.dumps(stats))
     entry = written["sources"]["code"]

@@ -7,7 +7,7 @@ from dflashpipe.chat import encode_chat, encode_prompt
 from dflashpipe.config import Config
 from dflashpipe.errors import DataError
 from dflashpipe.prompts import Prompt, prompt_key, write_prompts
-from dflashpipe.regenerate import PartStore, plan_batches, run
+from dflashpipe.regenerate import PartStore, RegeneratePaths, plan_batches, run
 from dflashpipe.target import load_tokenizer
 
 QUESTIONS = [
@@ -46,8 +46,8 @@ def _table(path):
 
 def test_rows_are_exact_and_greedy_is_deterministic(tiny_target_dir, prompts_file, tmp_path):
     cfg = _cfg(tiny_target_dir)
-    assert run(cfg, str(prompts_file), 0, str(tmp_path / "a.parquet"))
-    assert run(cfg, str(prompts_file), 0, str(tmp_path / "b.parquet"))
+    assert run(cfg, RegeneratePaths(str(prompts_file), 0, str(tmp_path / "a.parquet")))
+    assert run(cfg, RegeneratePaths(str(prompts_file), 0, str(tmp_path / "b.parquet")))
     a, b = _table(tmp_path / "a.parquet"), _table(tmp_path / "b.parquet")
     assert a.to_pylist() == b.to_pylist() and a.num_rows == 5
     tok = load_tokenizer(cfg.target)
@@ -63,7 +63,7 @@ def test_rows_are_exact_and_greedy_is_deterministic(tiny_target_dir, prompts_fil
     assert json.loads(meta[b"target"])["name"] == str(tiny_target_dir)
     assert json.loads(meta[b"stats"])["samples"] == 5
     # shards 0 and 1 partition the prompts
-    run(cfg, str(prompts_file), 1, str(tmp_path / "c.parquet"))
+    run(cfg, RegeneratePaths(str(prompts_file), 1, str(tmp_path / "c.parquet")))
     ids = {r["prompt_id"] for r in a.to_pylist()} | {
         r["prompt_id"] for r in _table(tmp_path / "c.parquet").to_pylist()
     }
@@ -73,14 +73,16 @@ def test_rows_are_exact_and_greedy_is_deterministic(tiny_target_dir, prompts_fil
 def test_interrupted_shard_resumes_to_the_same_bytes(tiny_target_dir, prompts_file, tmp_path):
     cfg = _cfg(tiny_target_dir)
     whole = tmp_path / "whole.parquet"
-    run(cfg, str(prompts_file), 0, str(whole))
+    run(cfg, RegeneratePaths(str(prompts_file), 0, str(whole)))
     out = tmp_path / "resumed.parquet"
-    assert run(cfg, str(prompts_file), 0, str(out), max_batches=1) is False
+    assert run(cfg, RegeneratePaths(str(prompts_file), 0, str(out)), max_batches=1) is False
     assert not out.exists()
     assert len(PartStore(out).done()) == 1
-    assert run(cfg, str(prompts_file), 0, str(out), max_batches=1) is False  # one more batch
+    assert (
+        run(cfg, RegeneratePaths(str(prompts_file), 0, str(out)), max_batches=1) is False
+    )  # one more batch
     assert len(PartStore(out).done()) == 2
-    assert run(cfg, str(prompts_file), 0, str(out))
+    assert run(cfg, RegeneratePaths(str(prompts_file), 0, str(out)))
     assert _table(out).to_pylist() == _table(whole).to_pylist()
     assert not PartStore(out).dir.exists()
 
@@ -92,20 +94,20 @@ def test_parts_left_by_another_plan_are_discarded_not_mixed_in(
     # most 4 tokens, which the 8-token rerun must not take as its own
     short, full = _cfg(tiny_target_dir, max_new_tokens=4), _cfg(tiny_target_dir)
     whole = tmp_path / "whole.parquet"
-    run(full, str(prompts_file), 0, str(whole))
+    run(full, RegeneratePaths(str(prompts_file), 0, str(whole)))
     out = tmp_path / "edited.parquet"
-    assert run(short, str(prompts_file), 0, str(out), max_batches=1) is False
+    assert run(short, RegeneratePaths(str(prompts_file), 0, str(out)), max_batches=1) is False
     assert len(PartStore(out).done()) == 1
     with caplog.at_level("WARNING"):
-        assert run(full, str(prompts_file), 0, str(out))
+        assert run(full, RegeneratePaths(str(prompts_file), 0, str(out)))
     assert "1 part files were made with another plan" in caplog.text
     assert _table(out).to_pylist() == _table(whole).to_pylist()
     # the same settings again: the parts are resumed, nothing discarded
     again = tmp_path / "again.parquet"
-    assert run(full, str(prompts_file), 0, str(again), max_batches=1) is False
+    assert run(full, RegeneratePaths(str(prompts_file), 0, str(again)), max_batches=1) is False
     caplog.clear()
     with caplog.at_level("WARNING"):
-        assert run(full, str(prompts_file), 0, str(again))
+        assert run(full, RegeneratePaths(str(prompts_file), 0, str(again)))
     assert "another plan" not in caplog.text
     assert _table(again).to_pylist() == _table(whole).to_pylist()
 
@@ -113,16 +115,16 @@ def test_parts_left_by_another_plan_are_discarded_not_mixed_in(
 def test_completed_shard_is_never_redone(tiny_target_dir, prompts_file, tmp_path):
     cfg = _cfg(tiny_target_dir)
     out = tmp_path / "s.parquet"
-    run(cfg, str(prompts_file), 0, str(out))
+    run(cfg, RegeneratePaths(str(prompts_file), 0, str(out)))
     before = out.stat().st_mtime_ns
-    assert run(cfg, str(prompts_file), 0, str(out))
+    assert run(cfg, RegeneratePaths(str(prompts_file), 0, str(out)))
     assert out.stat().st_mtime_ns == before
 
 
 def test_sampling_is_seeded(tiny_target_dir, prompts_file, tmp_path):
     cfg = _cfg(tiny_target_dir, temperature=1.0, top_k=50, seed=3)
-    run(cfg, str(prompts_file), 0, str(tmp_path / "a.parquet"))
-    run(cfg, str(prompts_file), 0, str(tmp_path / "b.parquet"))
+    run(cfg, RegeneratePaths(str(prompts_file), 0, str(tmp_path / "a.parquet")))
+    run(cfg, RegeneratePaths(str(prompts_file), 0, str(tmp_path / "b.parquet")))
     assert _table(tmp_path / "a.parquet").to_pylist() == _table(tmp_path / "b.parquet").to_pylist()
 
 
@@ -132,7 +134,7 @@ def test_too_long_prompts_are_counted(tiny_target_dir, prompts_file, tmp_path):
     rows = pq.read_table(prompts_file).to_pylist()[0::2]  # shard 0 of 2
     lengths = sorted(len(encode_prompt(tok, r["messages"])) for r in rows)
     cfg.extract.max_length = lengths[2]  # the budget fits strictly shorter prompts
-    run(cfg, str(prompts_file), 0, str(tmp_path / "s.parquet"))
+    run(cfg, RegeneratePaths(str(prompts_file), 0, str(tmp_path / "s.parquet")))
     table = _table(tmp_path / "s.parquet")
     stats = json.loads(table.schema.metadata[b"stats"])
     assert stats["prompt_too_long"] == sum(n >= lengths[2] for n in lengths) >= 1
@@ -141,7 +143,7 @@ def test_too_long_prompts_are_counted(tiny_target_dir, prompts_file, tmp_path):
 
 def test_dataset_answers_when_disabled(tiny_target_dir, prompts_file, tmp_path):
     cfg = _cfg(tiny_target_dir, enabled=False)
-    run(cfg, str(prompts_file), 0, str(tmp_path / "s.parquet"))
+    run(cfg, RegeneratePaths(str(prompts_file), 0, str(tmp_path / "s.parquet")))
     rows = _table(tmp_path / "s.parquet").to_pylist()
     tok = load_tokenizer(cfg.target)
     prompts = {r["prompt_id"]: r for r in pq.read_table(prompts_file).to_pylist()}
@@ -159,10 +161,10 @@ def test_dataset_answers_when_disabled(tiny_target_dir, prompts_file, tmp_path):
 def test_bad_shard_and_empty_prompts(tiny_target_dir, prompts_file, tmp_path):
     cfg = _cfg(tiny_target_dir)
     with pytest.raises(DataError, match="shard index 2 is out of range"):
-        run(cfg, str(prompts_file), 2, str(tmp_path / "x.parquet"))
+        run(cfg, RegeneratePaths(str(prompts_file), 2, str(tmp_path / "x.parquet")))
     write_prompts(tmp_path / "empty.parquet", [])
     with pytest.raises(DataError, match="holds no prompts"):
-        run(cfg, str(tmp_path / "empty.parquet"), 0, str(tmp_path / "y.parquet"))
+        run(cfg, RegeneratePaths(str(tmp_path / "empty.parquet"), 0, str(tmp_path / "y.parquet")))
 
 
 def test_batches_are_length_sorted():
@@ -173,7 +175,7 @@ def test_static_cache_decodes_like_dynamic(tiny_target_dir, prompts_file, tmp_pa
     """generate()'s GPU default (static KV cache) gives the same greedy answers as its CPU one."""
     for cache in ("dynamic", "static"):
         cfg = _cfg(tiny_target_dir, cache=cache, engine="hf")
-        run(cfg, str(prompts_file), 0, str(tmp_path / f"{cache[0]}.parquet"))
+        run(cfg, RegeneratePaths(str(prompts_file), 0, str(tmp_path / f"{cache[0]}.parquet")))
     assert _table(tmp_path / "d.parquet").to_pylist() == _table(tmp_path / "s.parquet").to_pylist()
 
 
@@ -201,7 +203,7 @@ def test_static_cache_batches_share_the_widest_shape(tiny_target_dir, tmp_path, 
         caplog.clear()
         with caplog.at_level("INFO", logger="dflashpipe.regenerate"):
             run(_cfg(tiny_target_dir, cache=cache, shards=1, engine="hf"),
-                str(tmp_path / "p.parquet"), 0, str(tmp_path / f"{cache}.parquet"))  # fmt: skip
+                RegeneratePaths(str(tmp_path / "p.parquet"), 0, str(tmp_path / f"{cache}.parquet")))  # fmt: skip
         shapes[cache] = [
             m.split("shape ")[1].split(":")[0] for m in caplog.messages if "shape" in m
         ]
@@ -218,7 +220,7 @@ def test_prompts_over_max_prompt_tokens_are_skipped(tiny_target_dir, prompts_fil
         len(encode_prompt(tok, r["messages"])) for r in pq.read_table(prompts_file).to_pylist()
     )
     cfg = _cfg(tiny_target_dir, shards=1, max_prompt_tokens=lengths[4])
-    run(cfg, str(prompts_file), 0, str(tmp_path / "s.parquet"))
+    run(cfg, RegeneratePaths(str(prompts_file), 0, str(tmp_path / "s.parquet")))
     table = _table(tmp_path / "s.parquet")
     stats = json.loads(table.schema.metadata[b"stats"])
     assert stats["prompt_too_long"] == sum(n > lengths[4] for n in lengths) >= 1
@@ -233,10 +235,10 @@ def _answers(path) -> dict[str, list[int]]:
 def test_several_answers_per_prompt(tiny_target_dir, prompts_file, tmp_path):
     """Answer 0 is the greedy one; the sampled ones are the same on a rerun and after a resume."""
     greedy = tmp_path / "greedy.parquet"
-    run(_cfg(tiny_target_dir), str(prompts_file), 0, str(greedy))
+    run(_cfg(tiny_target_dir), RegeneratePaths(str(prompts_file), 0, str(greedy)))
     cfg = _cfg(tiny_target_dir, samples_per_prompt=3, temperature=1.0, top_k=50, seed=5)
     whole = tmp_path / "whole.parquet"
-    assert run(cfg, str(prompts_file), 0, str(whole))
+    assert run(cfg, RegeneratePaths(str(prompts_file), 0, str(whole)))
     answers = _answers(whole)
     prompt_ids = {r["prompt_id"] for r in _table(greedy).to_pylist()}
     stats = json.loads(_table(whole).schema.metadata[b"stats"])
@@ -251,10 +253,10 @@ def test_several_answers_per_prompt(tiny_target_dir, prompts_file, tmp_path):
         (r["sample_id"] for r in rows), key=lambda s: ([r["prompt_id"] for r in rows].index(
             s.rpartition("-")[0]), s))  # fmt: skip
     again = tmp_path / "again.parquet"
-    run(cfg, str(prompts_file), 0, str(again))
+    run(cfg, RegeneratePaths(str(prompts_file), 0, str(again)))
     assert _table(again).to_pylist() == rows
     resumed = tmp_path / "resumed.parquet"
-    while not run(cfg, str(prompts_file), 0, str(resumed), max_batches=2):
+    while not run(cfg, RegeneratePaths(str(prompts_file), 0, str(resumed)), max_batches=2):
         pass  # stops after two batches, here inside the sampled answers
     assert _table(resumed).to_pylist() == rows
 
@@ -262,7 +264,7 @@ def test_several_answers_per_prompt(tiny_target_dir, prompts_file, tmp_path):
 def test_identical_answers_are_kept_once(tiny_target_dir, prompts_file, tmp_path):
     """top_k 1 samples the greedy token: answers 1 and 2 repeat answer 0 and are dropped."""
     cfg = _cfg(tiny_target_dir, samples_per_prompt=3, temperature=1.0, top_k=1)
-    run(cfg, str(prompts_file), 0, str(tmp_path / "s.parquet"))
+    run(cfg, RegeneratePaths(str(prompts_file), 0, str(tmp_path / "s.parquet")))
     stats = json.loads(_table(tmp_path / "s.parquet").schema.metadata[b"stats"])
     assert stats["duplicate_answers"] == 10 and stats["samples"] == 5
     assert all(k.endswith("-0") for k in _answers(tmp_path / "s.parquet"))

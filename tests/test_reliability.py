@@ -129,25 +129,25 @@ def _config(work: Path, target: Path, **sections) -> Config:
 
 
 def regenerate_job(work: Path) -> None:
-    from dflashpipe.regenerate import run
+    from dflashpipe.regenerate import RegeneratePaths, run
 
     cfg = Config.from_dict(json.loads((work / "config.json").read_text()))
-    run(cfg, str(work / "train.parquet"), 0, str(work / "out" / "shard-00000.parquet"))
+    run(cfg, RegeneratePaths(work / "train.parquet", 0, work / "out" / "shard-00000.parquet"))
 
 
 def extract_job(work: Path) -> None:
-    from dflashpipe.extract import run
+    from dflashpipe.extract import ExtractPaths, run
 
     cfg = Config.from_dict(json.loads((work / "config.json").read_text()))
-    run(cfg, str(work / "seq.parquet"), 0, str(work / "out" / "shard-00000.arrow"))
+    run(cfg, ExtractPaths(work / "seq.parquet", 0, work / "out" / "shard-00000.arrow"))
 
 
 def train_job(work: Path) -> None:
+    from dflashpipe.launcher import TrainPaths
     from dflashpipe.train import main
 
-    main(["--config", str(work / "config.yaml"), "--manifest", str(work / "manifest.json"),
-          "--run-dir", str(work / "run"), "--drafter", str(work / "drafter"),
-          "--metrics", str(work / "out" / "metrics.jsonl")])  # fmt: skip
+    main([TrainPaths(work / "config.yaml", work / "manifest.json", work / "run",
+                     work / "drafter", work / "out" / "metrics.jsonl").to_json()])  # fmt: skip
 
 
 def same_bytes(ref: Path, work: Path) -> None:

@@ -12,7 +12,7 @@ from dflashpipe.decoding.lookup import GRID, LookupConfig, PromptLookupProposer,
 from dflashpipe.decoding.summary import summarize
 from dflashpipe.decoding.types import Decoded
 from dflashpipe.errors import DataError
-from dflashpipe.report import run
+from dflashpipe.report import ReportPaths, run
 from dflashpipe.serving import GGUF_FLAGS
 from dflashpipe.sources import DROP_REASONS, DropLog
 
@@ -40,9 +40,11 @@ def _inputs(tmp_path):
 
 def test_plots_open_and_summary_has_the_numbers(tmp_path):
     run(
-        *_inputs(tmp_path),
-        str(tmp_path / "results" / "report"),
-        str(tmp_path / "results" / "report.md"),
+        ReportPaths(
+            *_inputs(tmp_path),
+            str(tmp_path / "results" / "report"),
+            str(tmp_path / "results" / "report.md"),
+        )
     )
     for name in ("loss", "acceptance", "histogram"):
         image = mpimg.imread(tmp_path / "results" / "report" / f"{name}.png")
@@ -58,9 +60,16 @@ def test_missing_or_empty_inputs(tmp_path):
     paths = _inputs(tmp_path)
     (tmp_path / "train.jsonl").write_text("")
     with pytest.raises(DataError, match="holds no training metrics"):
-        run(*paths, str(tmp_path / "r"), str(tmp_path / "r.md"))
+        run(ReportPaths(*paths, str(tmp_path / "r"), str(tmp_path / "r.md")))
     with pytest.raises(DataError, match="not found"):
-        run(str(tmp_path / "nope.jsonl"), *paths[1:], str(tmp_path / "r"), str(tmp_path / "r.md"))
+        run(
+            ReportPaths(
+                str(tmp_path / "nope.jsonl"),
+                *paths[1:],
+                str(tmp_path / "r"),
+                str(tmp_path / "r.md"),
+            )
+        )
 
 
 def test_held_out_measurements_are_plotted_and_summarized(tmp_path):
@@ -69,7 +78,7 @@ def test_held_out_measurements_are_plotted_and_summarized(tmp_path):
     rows[2].update(val_loss=4.5, val_slot_accuracy=[0.2, 0.1, 0.0], val_expected_acceptance=1.22)
     rows[2].update(train_samples=1234, train_tokens=456789)  # what train counts now
     (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    run(*paths, str(tmp_path / "report"), str(tmp_path / "report.md"))
+    run(ReportPaths(*paths, str(tmp_path / "report"), str(tmp_path / "report.md")))
     md = (tmp_path / "report.md").read_text()
     assert "on held-out samples (step 3): loss 4.5000, expected acceptance length 1.220" in md
     assert "3 optimizer steps on 1,234 samples (456,789 tokens an epoch); final loss" in md
@@ -84,7 +93,7 @@ def test_a_drafter_trained_on_few_tokens_is_called_a_demonstration(tmp_path, tok
     rows = [json.loads(line) for line in (tmp_path / "train.jsonl").read_text().splitlines()]
     rows[-1].update(train_samples=95, train_tokens=tokens)
     (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    run(*paths, str(tmp_path / "report"), str(tmp_path / "report.md"))
+    run(ReportPaths(*paths, str(tmp_path / "report"), str(tmp_path / "report.md")))
     md = (tmp_path / "report.md").read_text()
     sentence = (
         f"This drafter trained on {tokens:,} tokens an epoch, a demonstration of the pipeline"
@@ -108,7 +117,11 @@ def test_paired_counts_and_extra_features_are_summarized(tmp_path):
     extra = {"totals": {"samples": 7, "tokens": 300, "bytes": 5e5}, "codec": "fp4-zstd",
              "group_size": 32}  # fmt: skip
     (tmp_path / "code.json").write_text(json.dumps(extra))
-    run(*paths, str(tmp_path / "r"), str(tmp_path / "r.md"), [str(tmp_path / "code.json")])
+    run(
+        ReportPaths(
+            *paths, str(tmp_path / "r"), str(tmp_path / "r.md"), [str(tmp_path / "code.json")]
+        )
+    )
     md = (tmp_path / "r.md").read_text()
     assert "| humaneval | - | 2.750 | 2.500 | `latest n<=3 k=16 all` | 3 of 4 |" in md
     assert "| sharegpt | - | 2.250 | 2.000 | - | - |" in md  # no configuration, no paired count
@@ -120,7 +133,11 @@ def test_paired_counts_and_extra_features_are_summarized(tmp_path):
     assert (f"- train.extra_features {tmp_path / 'code.json'}: 7 samples, 300 tokens, 0.5 MB "
             "(fp4-zstd, groups of 32)") in md  # fmt: skip
     with pytest.raises(DataError, match="not found"):
-        run(*paths, str(tmp_path / "r"), str(tmp_path / "r.md"), [str(tmp_path / "gone.json")])
+        run(
+            ReportPaths(
+                *paths, str(tmp_path / "r"), str(tmp_path / "r.md"), [str(tmp_path / "gone.json")]
+            )
+        )
 
 
 def test_methods_and_ddtree_budgets_are_tabled_and_plotted(tmp_path):
@@ -154,7 +171,7 @@ def test_methods_and_ddtree_budgets_are_tabled_and_plotted(tmp_path):
         },
     }
     (tmp_path / "eval.json").write_text(json.dumps(ev))
-    run(*paths, str(tmp_path / "r"), str(tmp_path / "r.md"))
+    run(ReportPaths(*paths, str(tmp_path / "r"), str(tmp_path / "r.md")))
     md = (tmp_path / "r.md").read_text()
     assert "- engine: static, CUDA graphs, compiled steps" in md
     assert "| target only | static | - | 1.000 | 1.00 | 10.0 | 1.00x vs target | - |" in md
@@ -173,7 +190,7 @@ def test_an_unchecked_run_says_so(tmp_path):
     checked instead of printing a number."""
     inputs = _inputs(tmp_path)
     Path(inputs[1]).write_text(json.dumps(EVAL | {"lossless_fraction": None}))
-    run(*inputs, str(tmp_path / "plots"), str(tmp_path / "report.md"))
+    run(ReportPaths(*inputs, str(tmp_path / "plots"), str(tmp_path / "report.md")))
     md = (tmp_path / "report.md").read_text()
     assert "lossless fraction (float32): not checked (evaluate.lossless_check: false)" in md
 
@@ -193,7 +210,7 @@ def test_the_serving_lines_are_this_runs(tmp_path, monkeypatch):
     target = "resources/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
     info = {"drafter": {"path": "results/drafter", "block_size": 8}, "target": target}
     (tmp_path / "eval.json").write_text(json.dumps(EVAL | info))
-    run(*paths, "results/report", "results/report.md")
+    run(ReportPaths(*paths, "results/report", "results/report.md"))
     md = (tmp_path / "results" / "report.md").read_text()
     serve = md[md.index("## Serve the drafter") :]
     assert f"python -m sglang.launch_server --model-path {target}" in serve
@@ -211,12 +228,12 @@ def test_the_serving_lines_are_this_runs(tmp_path, monkeypatch):
     assert "VLLM_USE_V2_MODEL_RUNNER=1" in serve and "mask_embedding.pt" in serve
     hf = EVAL | info | {"target": "resources/smollm2"}  # an HF directory: the plain lines
     (tmp_path / "eval.json").write_text(json.dumps(hf))
-    run(*paths, "results/report", "results/report.md")
+    run(ReportPaths(*paths, "results/report", "results/report.md"))
     serve = (tmp_path / "results" / "report.md").read_text().split("## Serve the drafter")[1]
     assert "--speculative-num-draft-tokens 8\n```" in serve and "GGUF" not in serve
     assert '"num_speculative_tokens": 7}\'' in serve and "draft_load_config" not in serve
     (tmp_path / "eval.json").write_text(json.dumps(EVAL))  # metrics without a drafter record
-    run(*paths, "results/report", "results/report.md")
+    run(ReportPaths(*paths, "results/report", "results/report.md"))
     assert "Serve the drafter" not in (tmp_path / "results" / "report.md").read_text()
 
 
@@ -234,7 +251,7 @@ def test_a_run_on_the_eager_loop_says_why_under_its_methods_table(tmp_path):
         "ddtree": {},
     }
     (tmp_path / "eval.json").write_text(json.dumps(ev))
-    run(*paths, str(tmp_path / "r"), str(tmp_path / "r.md"))
+    run(ReportPaths(*paths, str(tmp_path / "r"), str(tmp_path / "r.md")))
     md = (tmp_path / "r.md").read_text()
     assert "- engine: eager (why: below the methods table)" in md
     assert "| DFlash drafter | eager | 2.000 |" in md
@@ -317,7 +334,7 @@ def test_every_prompt_lookup_tau_is_named_and_the_figures_agree(tmp_path):
     source's best configuration everywhere: the table's figures pooled over its prompts, the
     decoded row and the speedup; the other two figures are named, and the labels read once."""
     paths = _evaluated(tmp_path)
-    run(*paths, str(tmp_path / "r"), str(tmp_path / "r.md"))
+    run(ReportPaths(*paths, str(tmp_path / "r"), str(tmp_path / "r.md")))
     md = (tmp_path / "r.md").read_text()
     table = [line.split(" | ") for line in md.splitlines() if line.startswith("| humaneval |")
              or line.startswith("| sharegpt |")]  # fmt: skip
@@ -346,7 +363,7 @@ def test_the_prompt_counts_say_what_evaluate_decoded(tmp_path):
     and the evaluation's heading say evaluate decodes the first evaluate.num_prompts of the
     held-out prompts, the table how many of each source; skipped ones are counted."""
     paths = _evaluated(tmp_path)
-    run(*paths, str(tmp_path / "r"), str(tmp_path / "r.md"))
+    run(ReportPaths(*paths, str(tmp_path / "r"), str(tmp_path / "r.md")))
     md = (tmp_path / "r.md").read_text()
     assert ("- prompts: 96 train, 186 held out for evaluation (evaluate decoded 4 of them: the "
             "first evaluate.num_prompts (4), taken round robin over the sources); ") in md  # fmt: skip
@@ -356,7 +373,7 @@ def test_the_prompt_counts_say_what_evaluate_decoded(tmp_path):
     metrics["settings"]["num_prompts"] = 5
     metrics["skipped"]["prompt_too_long"] = 1
     Path(paths[1]).write_text(json.dumps(metrics))
-    run(*paths, str(tmp_path / "r"), str(tmp_path / "r.md"))
+    run(ReportPaths(*paths, str(tmp_path / "r"), str(tmp_path / "r.md")))
     assert ("evaluate decoded 4 of them: the first evaluate.num_prompts (5), taken round robin "
             "over the sources, less 1 too long for the context or refused by the chat template"
             ) in (tmp_path / "r.md").read_text()  # fmt: skip
@@ -366,7 +383,7 @@ def test_each_drop_count_says_what_it_counts(tmp_path):
     """Issue 60: `dropped {'over_limit': ..., 'too_long': ...}` unexplained. Each reason gets a
     line with what one count of it is, from sources.DROP_REASONS, and each source's share."""
     paths = _evaluated(tmp_path)
-    run(*paths, str(tmp_path / "r"), str(tmp_path / "r.md"))
+    run(ReportPaths(*paths, str(tmp_path / "r"), str(tmp_path / "r.md")))
     md = (tmp_path / "r.md").read_text()
     assert "left out by the prompts stage, a count per reason:\n  - `over_limit` 5,000: " in md
     for reason, count in (("over_limit", "5,000"), ("too_long", "40"), ("truncated_tail", "1"),

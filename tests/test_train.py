@@ -5,6 +5,7 @@ import re
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -12,11 +13,12 @@ import torch
 from conftest import write_yaml
 
 from dflashpipe import checkpoint
-from dflashpipe.config import Config
+from dflashpipe.config import Config, load_config
 from dflashpipe.data import Sample, split_validation
+from dflashpipe.devices import DeviceLease
 from dflashpipe.errors import ConfigError, DataError
 from dflashpipe.export import load_drafter
-from dflashpipe.launcher import launch
+from dflashpipe.launcher import TrainPaths, launch
 from dflashpipe.train import Trainer
 
 
@@ -30,13 +32,19 @@ def _train(tmp_path, tiny_features, name, **train):
     return args, out
 
 
+def _launch(*args: str) -> None:
+    """The train stage as its command runs it: the launcher over devices.train."""
+    cfg = load_config(args[0])
+    launch(cfg, TrainPaths(*map(Path, args)), DeviceLease(cfg.devices.train, key="devices.train"))
+
+
 def _rows(path):
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 def test_train_exports_a_drafter_and_learns(tmp_path, tiny_features, tiny_target_dir):
     args, out = _train(tmp_path, tiny_features, "a")
-    launch(*args)
+    _launch(*args)
     rows = _rows(out / "metrics.jsonl")
     assert rows[-1]["loss"] < rows[0]["loss"]
     assert len(rows[0]["slot_accuracy"]) == 7 and rows[0]["expected_acceptance"] >= 1
@@ -64,7 +72,7 @@ def test_drafter_can_start_from_the_targets_last_layers(tmp_path, tiny_features,
     raw["train"].update(lr=1e-12, max_steps=1)
     config = write_yaml(tmp_path / "init.yaml", raw)
     out = tmp_path / "init"
-    launch(str(config), str(tiny_features["manifest"]), str(out / "run"), str(out / "drafter"),
+    _launch(str(config), str(tiny_features["manifest"]), str(out / "run"), str(out / "drafter"),
            str(out / "metrics.jsonl"))  # fmt: skip
     mine = load_file(out / "drafter" / "model.safetensors")
     theirs = load_file(tiny_target_dir / "model.safetensors")
@@ -141,8 +149,13 @@ def test_train_distills_the_targets_top_k(tmp_path, tiny_topk_features, tiny_fea
     raw["train"].update(distill_weight=0.5, max_steps=4, log_every=1, val_samples=4, val_every=2)
     config = write_yaml(tmp_path / "distill.yaml", raw)
     manifest, out = tiny_topk_features["manifest"], tmp_path / "distill"
-    main(["--config", str(config), "--manifest", str(manifest), "--run-dir", str(out / "run"),
-          "--drafter", str(out / "drafter"), "--metrics", str(out / "metrics.jsonl")])  # fmt: skip
+    main(
+        [
+            TrainPaths(
+                config, manifest, out / "run", out / "drafter", out / "metrics.jsonl"
+            ).to_json()
+        ]
+    )
     rows = _rows(out / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3, 4] and rows[-1]["loss"] < rows[0]["loss"]
     assert [r["step"] for r in rows if "val_loss" in r] == [2, 4]
@@ -176,9 +189,9 @@ def test_train_with_the_ranking_term(tmp_path, tiny_features):
     raw["train"].update(rank_weight=0.3, rank_k=4, max_steps=3, log_every=1)
     config = write_yaml(tmp_path / "rank.yaml", raw)
     out = tmp_path / "rank"
-    main(["--config", str(config), "--manifest", str(tiny_features["manifest"]), "--run-dir",
-          str(out / "run"), "--drafter", str(out / "drafter"), "--metrics",
-          str(out / "metrics.jsonl")])  # fmt: skip
+    paths = TrainPaths(config, tiny_features["manifest"], out / "run", out / "drafter",
+                       out / "metrics.jsonl")  # fmt: skip
+    main([paths.to_json()])
     assert [r["step"] for r in _rows(out / "metrics.jsonl")] == [1, 2, 3]
     assert (out / "drafter" / "model.safetensors").is_file()
     trainer = Trainer(Config.from_dict(raw), tiny_features["manifest"], tmp_path / "fresh",
@@ -230,7 +243,7 @@ def test_sample_fraction_trains_on_a_seeded_share(tmp_path, tiny_features):
 
 def test_two_processes(tmp_path, tiny_features):
     args, out = _train(tmp_path, tiny_features, "ddp", cpu_processes=2, epochs=1, val_samples=8)
-    launch(*args)
+    _launch(*args)
     assert (out / "drafter" / "model.safetensors").is_file()
     rows = _rows(out / "metrics.jsonl")
     assert rows[-1]["step"] >= 2
@@ -267,7 +280,7 @@ def test_held_out_samples_are_measured_and_never_trained_on(tmp_path, tiny_featu
     with pytest.raises(DataError, match="val_samples 24 would hold out all 24"):
         split_validation(samples, 24, seed=3)
     args, out = _train(tmp_path, tiny_features, "val", val_samples=6, val_every=2, epochs=1)
-    launch(*args)
+    _launch(*args)
     rows = _rows(out / "metrics.jsonl")
     measured = [r for r in rows if "val_loss" in r]
     assert [r["step"] for r in measured] == [
@@ -288,9 +301,9 @@ def test_fsdp_matches_ddp_and_resumes_after_a_kill(tmp_path, tiny_features, monk
 
     common = dict(cpu_processes=2, epochs=2, checkpoint_every=2, log_every=1)
     args, ddp = _train(tmp_path, tiny_features, "ddp2", **common)
-    launch(*args)
+    _launch(*args)
     args, fsdp = _train(tmp_path, tiny_features, "fsdp", parallel="fsdp", **common)
-    launch(*args)
+    _launch(*args)
     a, b = _rows(ddp / "metrics.jsonl"), _rows(fsdp / "metrics.jsonl")
     assert [r["step"] for r in a] == [r["step"] for r in b] and len(a) >= 4
     for x, y in zip(a, b, strict=True):
@@ -305,12 +318,12 @@ def test_fsdp_matches_ddp_and_resumes_after_a_kill(tmp_path, tiny_features, monk
     args, killed = _train(tmp_path, tiny_features, "fsdp-killed", parallel="fsdp", **common)
     monkeypatch.setenv("DFLASHPIPE_KILL_AT", "train.step:3")  # both ranks SIGKILL themselves
     with pytest.raises(Exception):  # noqa: B017 - torchrun reports the dead workers its own way
-        launch(*args)
+        _launch(*args)
     monkeypatch.delenv("DFLASHPIPE_KILL_AT")
     assert (killed / "run" / "step-00000002").is_dir() and not (killed / "drafter").exists()
     saved = json.loads((killed / "run" / "step-00000002" / "fingerprint.json").read_text())
     assert saved["train.parallel"] == "fsdp" and saved["world"] == 2  # the sharded path ran
-    launch(*args)
+    _launch(*args)
     got = _rows(killed / "metrics.jsonl")
     assert [r["step"] for r in got] == [r["step"] for r in b]
     for x, y in zip(b, got, strict=True):
@@ -327,7 +340,7 @@ def test_killed_run_resumes_on_the_same_curve(tmp_path, tiny_features):
 
     common = dict(epochs=6, cpu_processes=2)
     args, out = _train(tmp_path, tiny_features, "whole", **common)
-    launch(*args)
+    _launch(*args)
     whole = _rows(out / "metrics.jsonl")
     args, out = _train(tmp_path, tiny_features, "killed", **common)
     cmd = [sys.executable, "-m", "dflashpipe", "train", "--config", args[0], "--manifest", args[1],
@@ -371,13 +384,14 @@ def _weights(out):
 
 def _in_process(tmp_path, tiny_features, name, **train):
     """The train stage of one process, here (no interpreter to start): trainer, export, metrics."""
-    from dflashpipe.train import train_and_export
+    from dflashpipe.train import run
 
     raw = json.loads(json.dumps(tiny_features["raw"]))
     raw["train"].update(train)
     out = tmp_path / name
-    trainer = train_and_export(Config.from_dict(raw), tiny_features["manifest"], out / "run",
-                               out / "drafter", out / "metrics.jsonl", torch.device("cpu"))  # fmt: skip
+    paths = TrainPaths(Path("unused.yaml"), tiny_features["manifest"], out / "run",
+                       out / "drafter", out / "metrics.jsonl")  # fmt: skip
+    trainer = run(Config.from_dict(raw), paths, torch.device("cpu"))
     return trainer, out
 
 
@@ -572,6 +586,7 @@ def test_answers_per_prompt_trains_on_each_prompts_first_answers(tmp_path, tiny_
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    from dflashpipe.extract import ExtractPaths
     from dflashpipe.extract import run as extract
     from dflashpipe.shards import build_manifest
     from dflashpipe.storage import write_json
@@ -585,7 +600,7 @@ def test_answers_per_prompt_trains_on_each_prompts_first_answers(tmp_path, tiny_
         seq = seq.set_column(seq.schema.get_field_index("sample_id"), "sample_id", pa.array(ids))
         pq.write_table(seq, tmp_path / f"seq-{i}.parquet")
         shards.append(tmp_path / f"shard-{i + 2:05d}.arrow")
-        extract(cfg, str(tmp_path / f"seq-{i}.parquet"), i + 2, str(shards[-1]))
+        extract(cfg, ExtractPaths(str(tmp_path / f"seq-{i}.parquet"), i + 2, str(shards[-1])))
     manifest = tmp_path / "manifest.json"
     write_json(manifest, build_manifest(shards))
     raw["train"].update(val_samples=4)
@@ -664,7 +679,7 @@ def test_drafter_sliding_window_is_trained_and_exported(tmp_path, tiny_features)
     raw["train"].update(max_steps=2)
     config = write_yaml(tmp_path / "window.yaml", raw)
     out = tmp_path / "window"
-    launch(str(config), str(tiny_features["manifest"]), str(out / "run"), str(out / "drafter"),
+    _launch(str(config), str(tiny_features["manifest"]), str(out / "run"), str(out / "drafter"),
            str(out / "metrics.jsonl"))  # fmt: skip
     cfg = json.loads((out / "drafter" / "config.json").read_text())
     assert cfg["layer_types"] == ["sliding_attention", "full_attention"]

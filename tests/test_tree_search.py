@@ -1,19 +1,14 @@
-"""DDTree draft trees: best-first = top-budget prefixes, ancestor masks, padding, the walk."""
+"""DDTree draft trees: best-first = top-budget prefixes, ancestor masks, padding, the walk; the
+host reference (tree_reference.py) against brute force, the device tree against the reference."""
 
 import itertools
 import math
 
 import pytest
 import torch
+from tree_reference import DraftTree, build_tree, walk
 
-from dflashpipe.decoding.tree_search import (
-    DraftTree,
-    build_tree,
-    draft_candidates,
-    grow_tree,
-    walk,
-    walk_static,
-)
+from dflashpipe.decoding.tree_search import draft_candidates, grow_tree, walk_static
 
 
 def candidates(S: int, k: int, seed: int, vocab: int = 50) -> tuple[torch.Tensor, torch.Tensor]:

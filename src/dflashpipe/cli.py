@@ -13,12 +13,16 @@ import sys
 from collections.abc import Callable
 from contextlib import ExitStack
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import yaml
 
-from dflashpipe.config import load_config
+from dflashpipe.config import Config, load_config
 from dflashpipe.errors import ConfigError, DflashpipeError
 from dflashpipe.leases import hold_output
+
+if TYPE_CHECKING:
+    from dflashpipe.devices import DeviceLease
 
 log = logging.getLogger("dflashpipe")
 COMPILING = ("regenerate", "extract", "evaluate")  # with train's workers: compile_cache.carried
@@ -28,6 +32,8 @@ COMPILING = ("regenerate", "extract", "evaluate")  # with train's workers: compi
 # drafter and metrics it exports.
 OUTPUT = {"retrieve": "dest", "prompts": "train", "regenerate": "out", "extract": "out",
           "manifest": "out", "train": "run_dir", "evaluate": "out", "report": "out"}  # fmt: skip
+# The GPU stages and the `devices.<section>` their lease draws on (device_lease)
+DEVICES = {"regenerate": "extract", "extract": "extract", "evaluate": "extract", "train": "train"}
 
 
 def cmd_check_config(args: argparse.Namespace) -> None:
@@ -56,25 +62,39 @@ def cmd_retrieve(args: argparse.Namespace) -> None:
     retrieve(specs[0], find_links=args.find_links)
 
 
-def cmd_prompts(args: argparse.Namespace) -> None:
-    from dflashpipe.prompts import run
+def device_lease(args: argparse.Namespace, cfg: Config | None) -> DeviceLease:
+    """The one place a GPU stage's devices are chosen: regenerate, extract and evaluate hold one
+    of devices.extract (shard i prefers the i-th, round robin), train every one of
+    devices.train; evaluate's --device names one outright. The stage holds it from where it
+    first needs the device (devices.DeviceLease)."""
+    from dflashpipe.devices import DeviceLease
 
-    cfg = load_config(args.config)
-    run(cfg.prompts, args.train, args.eval, args.stats)
+    section = DEVICES[args.command]
+    spec = getattr(cfg.devices, section) if cfg is not None else "auto"
+    shard = getattr(args, "shard", 0)
+    return DeviceLease(spec, shard, f"devices.{section}", getattr(args, "device", None))
+
+
+def cmd_prompts(args: argparse.Namespace) -> None:
+    from dflashpipe.prompts import PromptsPaths, run
+
+    run(load_config(args.config), PromptsPaths(Path(args.train), Path(args.eval), Path(args.stats)))
 
 
 def cmd_regenerate(args: argparse.Namespace) -> int:
-    from dflashpipe.regenerate import run
+    from dflashpipe.regenerate import RegeneratePaths, run
 
     cfg = load_config(args.config)
-    finished = run(cfg, args.prompts, args.shard, args.out, args.max_batches)
-    return 0 if finished else 3
+    paths = RegeneratePaths(Path(args.prompts), args.shard, Path(args.out))
+    return 0 if run(cfg, paths, device_lease(args, cfg), args.max_batches) else 3
 
 
 def cmd_extract(args: argparse.Namespace) -> None:
-    from dflashpipe.extract import run
+    from dflashpipe.extract import ExtractPaths, run
 
-    run(load_config(args.config), args.sequences, args.shard, args.out)
+    cfg = load_config(args.config)
+    paths = ExtractPaths(Path(args.sequences), args.shard, Path(args.out))
+    run(cfg, paths, device_lease(args, cfg))
 
 
 def cmd_manifest(args: argparse.Namespace) -> None:
@@ -85,47 +105,37 @@ def cmd_manifest(args: argparse.Namespace) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> None:
-    from dflashpipe.launcher import launch
+    from dflashpipe.launcher import TrainPaths, launch
 
-    launch(args.config, args.manifest, args.run_dir, args.drafter, args.metrics)
+    cfg = load_config(args.config)
+    paths = TrainPaths(*map(Path, (args.config, args.manifest, args.run_dir, args.drafter,
+                                   args.metrics)))  # fmt: skip
+    launch(cfg, paths, device_lease(args, cfg))
 
 
 def cmd_evaluate(args: argparse.Namespace) -> None:
     import dataclasses
 
     from dflashpipe.config import EvaluateConfig, TargetConfig
-    from dflashpipe.devices import stage_device
-    from dflashpipe.evaluate import run
+    from dflashpipe.evaluate import EvaluatePaths, EvaluateSettings, run
 
-    target, ev, devices = None, EvaluateConfig(), "auto"
-    if args.config:
-        cfg = load_config(args.config)
-        target, ev, devices = cfg.target, cfg.evaluate, cfg.devices.extract
+    cfg = load_config(args.config) if args.config else None
+    target, ev = (cfg.target, cfg.evaluate) if cfg else (None, EvaluateConfig())
     if args.target:
         target = TargetConfig(model=args.target, gguf_file=args.gguf_file)
     if target is None:
         raise ConfigError("evaluate needs --target or a --config whose target: names one")
     overrides = {k: getattr(args, k) for k in ("num_prompts", "max_new_tokens", "concurrency")}
     ev = dataclasses.replace(ev, **{k: v for k, v in overrides.items() if v is not None})
-    if args.device:
-        run(target, args.drafter, args.prompts, args.out, ev, args.device)
-        return
-    with stage_device(devices, 0, "devices.extract") as device:
-        run(target, args.drafter, args.prompts, args.out, ev, device)
+    paths = EvaluatePaths(Path(args.drafter), Path(args.prompts), Path(args.out))
+    run(EvaluateSettings(target, ev), paths, device_lease(args, cfg))
 
 
 def cmd_report(args: argparse.Namespace) -> None:
-    from dflashpipe.report import run
+    from dflashpipe.report import ReportPaths, run
 
-    run(
-        args.train_metrics,
-        args.eval_metrics,
-        args.prompt_stats,
-        args.manifest,
-        args.plots,
-        args.out,
-        args.extra_manifest,
-    )
+    inputs = (args.train_metrics, args.eval_metrics, args.prompt_stats, args.manifest, args.plots)
+    run(ReportPaths(*map(Path, inputs), Path(args.out), [Path(p) for p in args.extra_manifest]))
 
 
 def build_parser() -> argparse.ArgumentParser:

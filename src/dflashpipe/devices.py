@@ -1,4 +1,9 @@
-"""Device mapping: which GPUs a stage may use, from `devices.<stage>` and what is visible."""
+"""Device mapping: which GPUs a stage may use, from `devices.<stage>` and what is visible.
+
+A GPU stage's command gets one DeviceLease, made in one place (cli.device_lease): regenerate,
+extract and evaluate hold one device of it for the job (`hold`), train's launcher every device
+(`hold_all`). The stage enters it where it first needs the device, after the checks that need
+none (a shard already written, a refused config), so those never wait on a busy GPU."""
 
 from __future__ import annotations
 
@@ -7,6 +12,8 @@ import os
 import shutil
 import subprocess
 from collections.abc import Iterator
+from contextlib import ExitStack
+from dataclasses import dataclass
 
 import torch
 
@@ -66,3 +73,40 @@ def stage_device(spec: str | list[int], shard: int, key: str) -> Iterator[torch.
         return
     with lease_device(devices, devices[shard % len(devices)]) as index:
         yield torch.device("cuda", index)
+
+
+@dataclass(frozen=True)
+class DeviceLease:
+    """The devices a GPU stage's job may take: `fixed` (evaluate --device) as named, without a
+    lease; else `spec` (a `devices.<stage>` value, named `key` in errors), shard `shard`
+    preferring its round-robin device. The default takes any free visible GPU, else the CPU."""
+
+    spec: str | list[int] = "auto"
+    shard: int = 0
+    key: str = "devices.extract"
+    fixed: str | None = None
+
+    @contextlib.contextmanager
+    def hold(self) -> Iterator[torch.device]:
+        """One device, held until the block ends (stage_device)."""
+        if self.fixed:
+            yield torch.device(self.fixed)
+            return
+        with stage_device(self.spec, self.shard, self.key) as device:
+            yield device
+
+    @contextlib.contextmanager
+    def hold_all(self) -> Iterator[list[int] | None]:
+        """Every GPU of `spec`, each held until the block ends ([]: none, the CPU); None where
+        a scheduler assigned them (CUDA_VISIBLE_DEVICES names them, no lease)."""
+        if scheduler_assigned():
+            yield None
+            return
+        devices = resolve_devices(self.spec, visible_gpus(), self.key)
+        with ExitStack() as leases:
+            for d in devices:
+                leases.enter_context(lease_device([d], d))
+            yield devices
+
+
+ANY_DEVICE = DeviceLease()  # a stage called in-process without one: any free GPU, else the CPU

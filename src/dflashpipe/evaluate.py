@@ -43,7 +43,7 @@ import torch
 import transformers
 
 from dflashpipe.chat import encode_prompt, end_of_turn_ids, prompt_format
-from dflashpipe.config import EvaluateConfig, TargetConfig
+from dflashpipe.config import Config, EvaluateConfig, TargetConfig
 from dflashpipe.decoding.concurrent import ConcurrentEngine, check_rows
 from dflashpipe.decoding.engine import Engine
 from dflashpipe.decoding.families import check_target
@@ -51,6 +51,7 @@ from dflashpipe.decoding.lookup import GRID, LookupConfig, sweep
 from dflashpipe.decoding.runner import Decoders
 from dflashpipe.decoding.summary import _mean, best_per_source, summarize
 from dflashpipe.decoding.types import Decoded
+from dflashpipe.devices import ANY_DEVICE, DeviceLease
 from dflashpipe.errors import ConfigError, DataError
 from dflashpipe.export import CONFIG_NAME, config_from_dict, load_drafter
 from dflashpipe.model import DrafterConfig, input_embedding_scale
@@ -478,20 +479,54 @@ def run_info(
     }
 
 
-def run(
-    target_cfg: TargetConfig,
-    drafter_dir: str | Path,
-    prompts_path: str | Path,
-    out: str | Path,
-    ev: EvaluateConfig,
-    device: torch.device | str | None = None,
-) -> dict:
-    """Evaluate the drafter export in drafter_dir against the target; write and return metrics."""
+@dataclass(frozen=True)
+class EvaluateSettings:
+    """What evaluate reads of a config: a whole Config has both sections; outside the workflow
+    the CLI makes one of --target and the evaluate defaults."""
+
+    target: TargetConfig
+    evaluate: EvaluateConfig
+
+
+@dataclass(frozen=True)
+class EvaluatePaths:
+    """What one evaluate job reads and writes: the drafter export, the eval prompts, metrics."""
+
+    drafter: Path
+    prompts: Path
+    out: Path
+
+
+def run(cfg: Config | EvaluateSettings, paths: EvaluatePaths, lease: DeviceLease = ANY_DEVICE
+        ) -> dict:  # fmt: skip
+    """Evaluate the drafter export against the target on the leased device; write and return
+    the metrics."""
+    with lease.hold() as device:
+        metrics = measure(cfg.target, cfg.evaluate, paths, device)
+    ev = cfg.evaluate
+    if not ev.lossless_check:
+        log.warning("evaluate.lossless_check is off: the outputs were not checked in float32")
+    elif metrics["lossless_fraction"] < 1.0:
+        log.error("speculative output differs from greedy: %s", metrics["first_divergence"])
+    for n, tree in metrics["ddtree"].items():
+        if tree.get("lossless_fraction", 1.0) < 1.0:
+            log.error("ddtree@%s output differs from greedy: %s", n, tree["first_divergence"])
+    write_json(paths.out, metrics)
+    for m, row in [*metrics["methods"].items(), *metrics["ddtree"].items()]:
+        log.info("%s: tau %s, %.1f decode tokens/s, speedup %s (vs %s, %s engine)", m,
+                 row["acceptance_length"], row["decode_tokens_per_s"], row["speedup"],
+                 row["speedup_against"], row["engine"])  # fmt: skip
+    log.info("lossless %s -> %s", metrics["lossless_fraction"], paths.out)
+    return metrics
+
+
+def measure(target_cfg: TargetConfig, ev: EvaluateConfig, paths: EvaluatePaths,
+            device: torch.device) -> dict:  # fmt: skip
+    """Every method's figures on the eval prompts (metrics.json's content)."""
     from dflashpipe.target import attention_choice
 
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    rows = read_eval_prompts(prompts_path, ev.num_prompts)
-    model, tok, drafter = load_models(target_cfg, drafter_dir, device)
+    rows = read_eval_prompts(paths.prompts, ev.num_prompts)
+    model, tok, drafter = load_models(target_cfg, paths.drafter, device)
     run_dtype, cfg = model.dtype, drafter.config
     context = min(
         model.config.get_text_config().max_position_embeddings, cfg.max_position_embeddings
@@ -507,14 +542,14 @@ def run(
     prompts = encode_rows(rows, tok, ev, context, slack(ev, cfg.block_size), skipped)
     if not prompts:
         raise DataError(
-            f"none of the {len(rows)} eval prompts of {prompts_path} can be decoded "
+            f"none of the {len(rows)} eval prompts of {paths.prompts} can be decoded "
             f"(skipped: {dict(skipped)}); the context is {context} tokens"
         )
     log.info("%d prompts on %s in %s, %d worker process(es) (skipped %s)", len(prompts), device,
              run_dtype, min(ev.workers, len(prompts)), dict(skipped))  # fmt: skip
     stop_ids = end_of_turn_ids(tok)
     concurrent = decode_concurrent(model, drafter, prompts, ev, stop_ids)
-    responses = decode_in_workers(model, drafter, prompts, ev, stop_ids, target_cfg, drafter_dir)
+    responses = decode_in_workers(model, drafter, prompts, ev, stop_ids, target_cfg, paths.drafter)
     metrics = summarize(
         prompts,
         responses.timed,
@@ -528,22 +563,8 @@ def run(
     metrics |= {"num_prompts": len(prompts), "skipped": dict(skipped), "settings": asdict(ev)}
     if concurrent:
         metrics["concurrency"] = concurrency_figures(concurrent, responses.timed)
-    metrics |= run_info(target_cfg, drafter_dir, cfg, device, run_dtype)
-    metrics |= {
+    metrics |= run_info(target_cfg, paths.drafter, cfg, device, run_dtype)
+    return metrics | {
         "attn_implementation": attention_choice(target_cfg),
         "prompt_format": prompt_format(tok),
     }
-    if not ev.lossless_check:
-        log.warning("evaluate.lossless_check is off: the outputs were not checked in float32")
-    elif metrics["lossless_fraction"] < 1.0:
-        log.error("speculative output differs from greedy: %s", metrics["first_divergence"])
-    for n, tree in metrics["ddtree"].items():
-        if tree.get("lossless_fraction", 1.0) < 1.0:
-            log.error("ddtree@%s output differs from greedy: %s", n, tree["first_divergence"])
-    write_json(out, metrics)
-    for m, row in [*metrics["methods"].items(), *metrics["ddtree"].items()]:
-        log.info("%s: tau %s, %.1f decode tokens/s, speedup %s (vs %s, %s engine)", m,
-                 row["acceptance_length"], row["decode_tokens_per_s"], row["speedup"],
-                 row["speedup_against"], row["engine"])  # fmt: skip
-    log.info("lossless %s -> %s", metrics["lossless_fraction"], out)
-    return metrics

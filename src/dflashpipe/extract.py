@@ -23,6 +23,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow as pa
@@ -34,6 +35,7 @@ from tqdm import tqdm
 from dflashpipe import faults
 from dflashpipe.codecs import check_group, group_of, pack, pack_topk, prepare
 from dflashpipe.config import Config
+from dflashpipe.devices import ANY_DEVICE, DeviceLease
 from dflashpipe.errors import DataError
 from dflashpipe.loss import logit_rows
 from dflashpipe.shards import ShardInfo, feature_row, feature_schema, record_batch
@@ -311,21 +313,31 @@ def layer_ids_for(cfg: Config, num_target_layers: int) -> list[int]:
     return list(ids)
 
 
-def run(cfg: Config, sequences: str, shard: int, out: str) -> None:
-    """Write one feature shard (and its .stats.json) from one sequences shard."""
-    from dflashpipe.devices import stage_device
+@dataclass(frozen=True)
+class ExtractPaths:
+    """What one extract job reads and writes: a sequences shard, its index, and the feature
+    shard (its .stats.json beside it)."""
+
+    sequences: Path
+    shard: int
+    out: Path
+
+
+def run(cfg: Config, paths: ExtractPaths, lease: DeviceLease = ANY_DEVICE) -> None:
+    """Write one feature shard (and its .stats.json) from one sequences shard; the device is
+    held from the target's loading to the shard's rename."""
     from dflashpipe.preflight import check_before_loading
     from dflashpipe.shards import stats_path
     from dflashpipe.storage import write_json
     from dflashpipe.target import load_target, target_identity
 
-    out_path = Path(out)
+    out_path, shard = Path(paths.out), paths.shard
     if out_path.is_file() and stats_path(out_path).is_file():
         log.info("%s is complete; not redone", out_path)
         return
     ex = cfg.extract
     check_before_loading(cfg)  # taps, topk, mask id: before a device is taken or weights load
-    with stage_device(cfg.devices.extract, shard, "devices.extract") as device:
+    with lease.hold() as device:
         # soft targets come out of the LM head: the whole causal LM, not just the base model
         model, tok = load_target(cfg.target, device, base_only=not ex.topk)
         base, head = (
@@ -333,7 +345,7 @@ def run(cfg: Config, sequences: str, shard: int, out: str) -> None:
         )
         identity = json.loads(target_identity(cfg.target, tok).to_json())
         stats: Counter = Counter()
-        rows = read_sequences(Path(sequences), identity, ex.max_length, ex.overflow, stats)
+        rows = read_sequences(Path(paths.sequences), identity, ex.max_length, ex.overflow, stats)
         layer_ids = layer_ids_for(cfg, base.config.num_hidden_layers)
         group = group_of(ex.codec, ex.group_size)  # checked against the hidden size by Extractor
         info = ShardInfo(ex.codec, layer_ids, base.config.hidden_size, identity, ex.topk, group)

@@ -5,15 +5,20 @@ form, and the agent's interpreter (it imports torch) cost a CPU test job 4 s of 
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import subprocess
 import sys
-from contextlib import ExitStack
+from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from dflashpipe.config import load_config
 from dflashpipe.errors import DflashpipeError
+
+if TYPE_CHECKING:
+    from dflashpipe.config import Config
+    from dflashpipe.devices import DeviceLease
 
 log = logging.getLogger("dflashpipe.train")
 
@@ -65,25 +70,39 @@ def _slurm_nodes() -> list[str]:
     return out.split()
 
 
-def launch(config_path: str, manifest: str, run_dir: str, drafter: str, metrics: str) -> None:
-    """Run torchrun with one process per `devices.train` GPU (held by leases for the whole run),
-    or `train.cpu_processes` gloo processes when there is no GPU. In a multi-node SLURM job
+@dataclass(frozen=True)
+class TrainPaths:
+    """What the train stage reads and writes: the planned config (each worker process loads it),
+    the feature manifest, the run directory (checkpoints, metrics; resumed), the drafter export
+    and the metrics copy. Handed to the workers as one JSON argument (`to_json`)."""
+
+    config: Path
+    manifest: Path
+    run_dir: Path
+    drafter: Path
+    metrics: Path
+
+    def to_json(self) -> str:
+        return json.dumps({k: str(v) for k, v in asdict(self).items()})
+
+    @classmethod
+    def from_json(cls, text: str) -> TrainPaths:
+        return cls(**{k: Path(v) for k, v in json.loads(text).items()})
+
+
+def launch(cfg: Config, paths: TrainPaths, lease: DeviceLease) -> None:
+    """Run torchrun with one process per GPU of `lease` (devices.train, each held for the whole
+    run), or `train.cpu_processes` gloo processes when there is no GPU. In a multi-node SLURM job
     (train.nodes > 1), srun starts one torchrun agent per node, meeting at the first node. One
     process on one node is started directly (module docstring)."""
-    from dflashpipe.devices import resolve_devices, scheduler_assigned, visible_gpus
-    from dflashpipe.leases import held_fds, lease_device
+    from dflashpipe.leases import held_fds
 
-    cfg = load_config(config_path)
     env = dict(os.environ)
-    args = ["--config", config_path, "--manifest", manifest, "--run-dir", run_dir,
-            "--drafter", drafter, "--metrics", metrics]  # fmt: skip
-    with ExitStack() as leases:
-        if scheduler_assigned():
+    args = [paths.to_json()]
+    with lease.hold_all() as devices:
+        if devices is None:  # the scheduler's choice
             nproc = len(env["CUDA_VISIBLE_DEVICES"].split(","))
         else:
-            devices = resolve_devices(cfg.devices.train, visible_gpus(), "devices.train")
-            for d in devices:
-                leases.enter_context(lease_device([d], d))
             nproc = len(devices) or cfg.train.cpu_processes
             if devices:
                 env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, devices))
@@ -91,28 +110,7 @@ def launch(config_path: str, manifest: str, run_dir: str, drafter: str, metrics:
                 env["DFLASHPIPE_DEVICE"] = "cpu"
         # Each process's share of the cores, unless the caller chose (torchrun would make it 1)
         env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-        if hosts := _slurm_nodes():
-            run = torchrun_command(
-                len(hosts),
-                nproc,
-                f"{hosts[0]}:29500",
-                env["SLURM_JOB_ID"],
-                "dflashpipe.train",
-                args,
-            )
-            cmd = [
-                "srun",
-                f"--nodes={len(hosts)}",
-                f"--ntasks={len(hosts)}",
-                "--ntasks-per-node=1",
-                *run,
-            ]
-        elif nproc > 1:
-            cmd = torchrun_command(1, nproc, None, "local", "dflashpipe.train", args)
-        else:  # train.main without WORLD_SIZE: no process group, world 1
-            cmd = [sys.executable, "-m", "dflashpipe.train", *args]
-            for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
-                env.pop(key, None)
+        cmd = worker_command(nproc, args, env)
         log.info("launching %s", " ".join(cmd))
         # the child keeps this job's locks (its GPUs, the run directory: cli.OUTPUT) held while
         # it lives: were the launcher killed alone, torchrun's agent or the single worker would
@@ -120,3 +118,18 @@ def launch(config_path: str, manifest: str, run_dir: str, drafter: str, metrics:
         done = subprocess.run(cmd, env=env, pass_fds=held_fds())
     if done.returncode != 0:
         raise DflashpipeError(f"training failed (exit {done.returncode}); see the log above")
+
+
+def worker_command(nproc: int, args: list[str], env: dict) -> list[str]:
+    """srun over the SLURM job's nodes, torchrun on this one, or the one worker alone (`env`
+    loses torchrun's variables then: train.main without WORLD_SIZE forms no group)."""
+    if hosts := _slurm_nodes():
+        run = torchrun_command(len(hosts), nproc, f"{hosts[0]}:29500", env["SLURM_JOB_ID"],
+                               "dflashpipe.train", args)  # fmt: skip
+        return ["srun", f"--nodes={len(hosts)}", f"--ntasks={len(hosts)}", "--ntasks-per-node=1",
+                *run]  # fmt: skip
+    if nproc > 1:
+        return torchrun_command(1, nproc, None, "local", "dflashpipe.train", args)
+    for key in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        env.pop(key, None)
+    return [sys.executable, "-m", "dflashpipe.train", *args]

@@ -26,7 +26,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from tqdm import tqdm
 
-from dflashpipe.config import PromptsConfig, SourceConfig
+from dflashpipe.config import Config, PromptsConfig, SourceConfig
 from dflashpipe.errors import DataError
 from dflashpipe.sources import DropLog, RawConversation, ReadLog, read_source
 from dflashpipe.storage import atomic_path, write_json
@@ -321,12 +321,21 @@ def write_prompts(dest: str | Path, prompts: list[Prompt]) -> None:
         pq.write_table(table, tmp, compression="zstd")
 
 
-def run(cfg: PromptsConfig, train_path: str, eval_path: str, stats_path: str) -> dict:
+@dataclass(frozen=True)
+class PromptsPaths:
+    """The three files the prompts stage writes."""
+
+    train: Path
+    eval: Path
+    stats: Path
+
+
+def run(cfg: Config, paths: PromptsPaths) -> dict:
     """Build the prompt sets and write the three outputs (each atomically, stats last)."""
-    train, evals, stats = build(cfg)
-    write_prompts(train_path, train)
-    write_prompts(eval_path, evals)
-    write_json(stats_path, stats)
+    train, evals, stats = build(cfg.prompts)
+    write_prompts(paths.train, train)
+    write_prompts(paths.eval, evals)
+    write_json(paths.stats, stats)
     log.info(
         "prompts: %d train, %d eval; dropped %s", len(train), len(evals), stats["totals"]["dropped"]
     )

@@ -30,6 +30,7 @@ import logging
 import shutil
 import time
 from collections import Counter, defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow as pa
@@ -39,6 +40,7 @@ from tqdm import tqdm
 from dflashpipe.answers import ShardPlan, Source, hf_source, static_source
 from dflashpipe.chat import encode_chat, encode_prompt, encode_prompts, end_of_turn_ids
 from dflashpipe.config import Config, RegenerateConfig
+from dflashpipe.devices import ANY_DEVICE, DeviceLease
 from dflashpipe.errors import ConfigError, DataError
 from dflashpipe.storage import atomic_path
 
@@ -265,15 +267,24 @@ def engine_kind(gen: RegenerateConfig, target) -> tuple[str, str]:
     return "static", f"regenerate.engine: {gen.engine}"
 
 
-def run(
-    cfg: Config, prompts_path: str, shard: int, out: str, max_batches: int | None = None
-) -> bool:
-    """Write one sequences shard; return False if stopped early by `max_batches` (resumable)."""
-    from dflashpipe.devices import stage_device
+@dataclass(frozen=True)
+class RegeneratePaths:
+    """What one regenerate job reads and writes: the prompt table, the shard it answers (rows
+    shard::regenerate.shards) and the sequences shard it writes."""
+
+    prompts: Path
+    shard: int
+    out: Path
+
+
+def run(cfg: Config, paths: RegeneratePaths, lease: DeviceLease = ANY_DEVICE,
+        max_batches: int | None = None) -> bool:  # fmt: skip
+    """Write one sequences shard; return False if stopped early by `max_batches` (resumable).
+    The device is held only while the target answers (not with regenerate.enabled: false)."""
     from dflashpipe.preflight import check_before_loading
     from dflashpipe.target import load_target, load_tokenizer, target_identity
 
-    out_path = Path(out)
+    out_path, shard = Path(paths.out), paths.shard
     if out_path.is_file():
         PartStore(out_path).clear()  # a kill between the final rename and the cleanup
         log.info("%s is complete; not redone", out_path)
@@ -283,8 +294,7 @@ def run(
     # workflow's start, so common.smk could not check it.
     check_before_loading(cfg)
     gen = cfg.regenerate
-    rows = shard_rows(Path(prompts_path), shard, gen.shards)
-    budget = cfg.extract.max_length
+    rows = shard_rows(Path(paths.prompts), shard, gen.shards)
     parts = PartStore(out_path)
     if not gen.enabled:
         tok = load_tokenizer(cfg.target)
@@ -295,13 +305,12 @@ def run(
     else:
         engine, why = engine_kind(gen, cfg.target)  # refused before the device is taken
         log.info("engine %s (%s)", engine, why)
-        with stage_device(cfg.devices.extract, shard, "devices.extract") as device:
+        with lease.hold() as device:
             log.info("shard %d: %d prompts on %s", shard, len(rows), device)
             model, tok = load_target(cfg.target, device)
             identity = target_identity(cfg.target, tok).to_json()  # hashed once: the plan's too
-            seqs, stats, finished = regenerate_rows(
-                rows, model, tok, gen, budget, parts, max_batches, shard, identity, engine
-            )
+            seqs, stats, finished = regenerate_rows(rows, model, tok, gen, cfg.extract.max_length,
+                                                    parts, max_batches, shard, identity, engine)  # fmt: skip
             if not finished:
                 log.info("stopped after %d %s; rerun to finish %s", max_batches,
                          "part files" if engine == "static" else "batches", out_path)  # fmt: skip

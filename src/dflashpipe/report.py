@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from dflashpipe.decoding.lookup import GRID, OCCURRENCES, SEARCHES
@@ -376,13 +377,27 @@ def summary(rows: list[dict], evaluation: dict, prompts: dict, manifest: dict, i
 {serving(evaluation)}"""
 
 
-def run(train_metrics: str, eval_metrics: str, prompt_stats: str, manifest: str, plots: str,
-        markdown: str, extra_manifests: list[str] = ()) -> None:  # fmt: skip
-    """Write loss.png, acceptance.png, histogram.png (and ddtree.png, concurrency.png) into `plots` and the summary to `markdown`
-    (the features of `extra_manifests`, train.extra_features, listed beside the run's own)."""
-    out, md = Path(plots), Path(markdown)
-    rows = read_training(Path(train_metrics))
-    evaluation = _read_json(Path(eval_metrics))
+@dataclass(frozen=True)
+class ReportPaths:
+    """What the report reads (the run's metrics, prompt stats and feature manifests: its own,
+    then train.extra_features') and writes (a folder of plots, the Markdown summary)."""
+
+    train_metrics: Path
+    eval_metrics: Path
+    prompt_stats: Path
+    manifest: Path
+    plots: Path
+    out: Path
+    extra_manifests: list[Path] = field(default_factory=list)
+
+
+def run(paths: ReportPaths) -> None:
+    """Write loss.png, acceptance.png, histogram.png (and ddtree.png, concurrency.png) into
+    `paths.plots` and the summary to `paths.out`. The report reads no config key: its shape is
+    run(paths), without the cfg of the other stages."""
+    out, md = Path(paths.plots), Path(paths.out)
+    rows = read_training(Path(paths.train_metrics))
+    evaluation = _read_json(Path(paths.eval_metrics))
     plot_loss(rows, out / "loss.png")
     plot_acceptance(rows, evaluation, _lookup_best_tau(evaluation), out / "acceptance.png")
     plot_histogram(evaluation, out / "histogram.png")
@@ -391,9 +406,8 @@ def run(train_metrics: str, eval_metrics: str, prompt_stats: str, manifest: str,
     if evaluation.get("concurrency"):
         plot_concurrency(evaluation, out / "concurrency.png")
     img = os.path.relpath(out, md.parent)
-    extra = {p: _read_json(Path(p)) for p in extra_manifests}
-    text = summary(
-        rows, evaluation, _read_json(Path(prompt_stats)), _read_json(Path(manifest)), img, extra
-    )
+    extra = {p: _read_json(Path(p)) for p in paths.extra_manifests}
+    prompts, manifest = _read_json(Path(paths.prompt_stats)), _read_json(Path(paths.manifest))
+    text = summary(rows, evaluation, prompts, manifest, img, extra)
     with atomic_path(md) as tmp:
         tmp.write_text(text, encoding="utf-8")

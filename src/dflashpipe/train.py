@@ -14,19 +14,16 @@ and metrics are accumulated on the device and read only at log intervals.
 
 from __future__ import annotations
 
-import argparse
-import hashlib
 import json
 import logging
 import math
 import os
 import shutil
+import sys
 import time
 from contextlib import nullcontext
 from pathlib import Path
 
-import numpy as np
-import pyarrow.compute as pc
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -47,31 +44,23 @@ from dflashpipe.data import (
 )
 from dflashpipe.errors import DataError
 from dflashpipe.export import save_drafter
-from dflashpipe.launcher import die_with_parent
+from dflashpipe.features import (
+    choose_mask_token,
+    extra_features,
+    features_digest,
+    read_manifest,
+    soft_targets_of,
+)
+from dflashpipe.launcher import TrainPaths, die_with_parent
 from dflashpipe.loss import block_labels, block_soft_targets, default_gamma, dflash_loss
 from dflashpipe.metrics import MetricsLog, RunFacts, expected_acceptance, step_flops
 from dflashpipe.model import FROZEN_PREFIXES, Drafter, DrafterConfig, init_from_target_layers
-from dflashpipe.shards import FeatureShard, check_manifest, verify_shard
+from dflashpipe.shards import check_manifest, verify_shard
 from dflashpipe.stages import ABSENT, digest_keys, fingerprint_keys
 from dflashpipe.stages import value as config_value
 from dflashpipe.storage import atomic_path, write_json
 
 log = logging.getLogger("dflashpipe.train")
-
-
-def choose_mask_token(tok, shard_paths: list[Path]) -> int:
-    """A special token of the target's vocabulary that never occurs in the training data."""
-    used: set[int] = set()
-    for path in shard_paths:
-        ids = pc.list_flatten(FeatureShard(path).table.column("input_ids").combine_chunks())
-        used.update(np.unique(ids.to_numpy()).tolist())
-    core = {tok.eos_token_id, tok.bos_token_id, tok.pad_token_id, tok.unk_token_id}
-    for token_id in sorted(tok.added_tokens_decoder):
-        if token_id not in used and token_id not in core:
-            return token_id
-    raise DataError(
-        "no special token of the target is unused by the data; set drafter.mask_token_id"
-    )
 
 
 def _FULL(cpu_offload: bool = True, strict: bool = True):
@@ -95,57 +84,6 @@ def shard_fsdp(drafter: Drafter, device: torch.device) -> Drafter:
         fully_shard(layer, mesh=mesh)
     fully_shard(drafter, mesh=mesh, ignored_params=frozen)
     return drafter
-
-
-def read_manifest(path: Path) -> dict:
-    if not path.is_file():
-        raise DataError(f"feature manifest not found: {path}")
-    try:
-        manifest = json.loads(path.read_text())
-        manifest["shards"], manifest["layer_ids"]
-    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
-        raise DataError(f"{path}: not a feature manifest ({type(e).__name__}: {e})") from None
-    return manifest
-
-
-def soft_targets_of(path: Path, manifest: dict, distill_weight: float) -> int:
-    """The k of the top-k soft targets that train.distill_weight > 0 trains on (0 when it is 0);
-    features without them are refused, naming the manifest."""
-    if not distill_weight:
-        return 0
-    k = manifest.get("topk", 0)  # manifests written before soft targets existed lack it
-    if not k:
-        raise DataError(
-            f"{path}: the features have no top-k soft targets (made with extract.topk 0), but "
-            f"train.distill_weight {distill_weight} trains on them; extract with extract.topk > 0, "
-            "or set train.distill_weight to 0"
-        )
-    return k
-
-
-def extra_features(path: Path, own: dict, topk: int = 0) -> tuple[dict, list[Path]]:
-    """(manifest, shard paths) of more features to train on (`train.extra_features`): they must
-    come from the same target (weights and tokenizer) with the same layers, hidden size, codec
-    and group size as the stage's own (a drafter trained on a mix of codecs would read inputs of
-    two error levels; and, with soft targets, the same top-k); their shards are the files of
-    those names beside the manifest."""
-    manifest = read_manifest(path)
-    keys = ("layer_ids", "hidden_size", "codec", "group_size")
-    try:
-        check_manifest(manifest, {key: own.get(key) for key in keys}
-                       | {f"target.{k}": own["target"].get(k)
-                          for k in ("weights_sha256", "tokenizer_sha256")}
-                       | ({"topk": topk} if topk else {}))  # fmt: skip
-    except DataError as e:
-        raise DataError(f"train.extra_features {path}: {e}") from None
-    return manifest, [path.parent / Path(s["path"]).name for s in manifest["shards"]]
-
-
-def features_digest(vouched: list[tuple[Path, dict]]) -> str:
-    """What the shards trained on hold: their sha256s, as their manifests vouch for them."""
-    sums = [next(s["sha256"] for s in m["shards"] if Path(s["path"]).name == p.name)
-            for p, m in vouched]  # fmt: skip
-    return hashlib.sha256(json.dumps(sums).encode()).hexdigest()[:16]
 
 
 def compute_head(drafter: Drafter, device: torch.device) -> torch.Tensor:
@@ -214,78 +152,100 @@ def compile_seconds() -> float:
 
 
 class Trainer:
+    """Built in the order torchtitan's is, each part by its own builder: the features (manifest,
+    vouched shards), the model (checked against the target, sized like it) and its wrap (DDP or
+    FSDP2), the data plan (samples, held-out, steps), the optimizer, the checkpoint state
+    (settings, fingerprint) and the resume from it. `train` is the loop."""
+
     def __init__(self, cfg: Config, manifest_path: Path, run_dir: Path, device: torch.device):
         self.cfg, self.tc, self.device, self.run_dir = cfg, cfg.train, device, run_dir
         run_dir.mkdir(parents=True, exist_ok=True)
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world = dist.get_world_size() if dist.is_initialized() else 1
-        self.manifest = read_manifest(Path(manifest_path))
-        self.topk = soft_targets_of(Path(manifest_path), self.manifest, self.tc.distill_weight)
+        self.tokens = self.tc.micro_batch_tokens or self.tc.max_length
         # on a GPU, fp8 packs cross as e4m3 bytes and are dequantized there (data.to_device)
         self.quantized = device.type == "cuda"
-        own = [Path(s["path"]) for s in self.manifest["shards"]]
+        self._find_features(Path(manifest_path))
+        self._build_model()
+        self._wrap_model()
+        self._select_samples(Path(manifest_path))
+        self._plan_steps()
+        self._build_optimizer()
+        self._checkpoint_state()
+        self.step, self.epoch, self.micro = 0, 0, 0
+        self._resume()
+
+    def _find_features(self, manifest_path: Path) -> None:
+        """The manifest, the soft targets' k, and every shard trained on beside the manifest that
+        vouches for it (the stage's own first, then train.extra_features')."""
+        self.manifest = read_manifest(manifest_path)
+        self.topk = soft_targets_of(manifest_path, self.manifest, self.tc.distill_weight)
+        self.own = [Path(s["path"]) for s in self.manifest["shards"]]
         extra = [extra_features(Path(p), self.manifest, self.topk) for p in self.tc.extra_features]
-        # every shard beside the manifest that vouches for it; the stage's own come first
-        self.vouched = [(path, self.manifest) for path in own]
+        self.vouched = [(path, self.manifest) for path in self.own]
         self.vouched += [(path, manifest) for manifest, paths in extra for path in paths]
         self.shards = [path for path, _ in self.vouched]
-        self.tokens = self.tc.micro_batch_tokens or self.tc.max_length
-        self._build_model()
+
+    def _select_samples(self, manifest_path: Path) -> None:
+        """The samples trained on and held out: the own shards' split, the extra features'
+        added (trained on, never held out: the held-out figures stay the own), then
+        train.answers_per_prompt and train.sample_fraction."""
+        own, tc = self.own, self.tc
         self.stats: dict = {}
         own_samples = index_samples(own, self.tokens, self.stats, self.topk)
-        self.samples, self.val_samples = split_validation(
-            own_samples, self.tc.val_samples, self.tc.seed
-        )
+        self.samples, self.val_samples = split_validation(own_samples, tc.val_samples, tc.seed)
         added: list[Sample] = []
         if len(self.shards) > len(own):
-            # trained on, never held out: the held-out figures stay the own
             added = index_samples(self.shards[len(own) :], self.tokens, self.stats, self.topk)
             self.samples += [
                 Sample(s.shard + len(own), s.row, s.length, answer=s.answer) for s in added
             ]
-        if self.tc.answers_per_prompt is not None:
+        if tc.answers_per_prompt is not None:
             held = 1 + max(s.answer for s in own_samples + added)
-            if self.tc.answers_per_prompt > held:
+            if tc.answers_per_prompt > held:
                 extra = " and train.extra_features" if added else ""
                 raise DataError(
-                    f"train.answers_per_prompt is {self.tc.answers_per_prompt}, but the features "
+                    f"train.answers_per_prompt is {tc.answers_per_prompt}, but the features "
                     f"of {manifest_path}{extra} hold at most {held} answers per prompt "
                     f"(regenerate.samples_per_prompt): the run would train on the same data as "
                     f"answers_per_prompt {held}"
                 )
-            self.samples = first_answers(self.samples, self.tc.answers_per_prompt)
+            self.samples = first_answers(self.samples, tc.answers_per_prompt)
         available = len(self.samples)
-        self.samples = subset(self.samples, self.tc.sample_fraction, self.tc.seed)
+        self.samples = subset(self.samples, tc.sample_fraction, tc.seed)
         self.train_tokens = sum(s.length for s in self.samples)  # per epoch (metrics rows)
         if self.rank == 0:
             from_extra = sum(s.shard >= len(own) for s in self.samples)
-            share = (f"; train.sample_fraction {self.tc.sample_fraction:g} of {available}"
-                     if self.tc.sample_fraction < 1 else "")  # fmt: skip
-            if self.tc.answers_per_prompt is not None:
-                share += f"; train.answers_per_prompt {self.tc.answers_per_prompt}"
+            share = (f"; train.sample_fraction {tc.sample_fraction:g} of {available}"
+                     if tc.sample_fraction < 1 else "")  # fmt: skip
+            if tc.answers_per_prompt is not None:
+                share += f"; train.answers_per_prompt {tc.answers_per_prompt}"
             log.info("training on %d samples (%d of them from train.extra_features), %d tokens "
                      "an epoch, %d held out%s", len(self.samples), from_extra, self.train_tokens,
                      len(self.val_samples), share)  # fmt: skip
+
+    def _plan_steps(self) -> None:
+        """The held-out plan, micro-batches an epoch, accumulation and the optimizer steps."""
+        tc = self.tc
         if self.val_samples:
             try:
                 self._val_plan = epoch_plan(
-                    self.val_samples, self.tokens, self.tc.seed, 0, self.rank, self.world
+                    self.val_samples, self.tokens, tc.seed, 0, self.rank, self.world
                 )
             except DataError as e:
                 raise DataError(f"train.val_samples {len(self.val_samples)}: {e}") from None
         self.per_epoch = len(
-            epoch_plan(self.samples, self.tokens, self.tc.seed, 0, self.rank, self.world)
+            epoch_plan(self.samples, self.tokens, tc.seed, 0, self.rank, self.world)
         )
-        self.accum = max(1, (self.tc.tokens_per_step or 0) // (self.tokens * self.world))
-        self.total_micro = math.ceil(self.tc.epochs * self.per_epoch)
+        self.accum = max(1, (tc.tokens_per_step or 0) // (self.tokens * self.world))
+        self.total_micro = math.ceil(tc.epochs * self.per_epoch)
         self.total_steps = max(1, self.total_micro // self.accum)
-        if self.tc.max_steps:
-            self.total_steps = min(self.total_steps, self.tc.max_steps)
-        self._build_optimizer()
-        self.step, self.epoch, self.micro = 0, 0, 0
-        self._resume()
+        if tc.max_steps:
+            self.total_steps = min(self.total_steps, tc.max_steps)
 
     def _build_model(self) -> None:
+        """The drafter sized like the target (its frozen embedding and head), once the target
+        and the features are checked against each other; on a GPU its layers compiled."""
         from dflashpipe.preflight import check_config
         from dflashpipe.target import load_target, target_identity
 
@@ -321,6 +281,13 @@ class Trainer:
             for layer in drafter.layers:  # per layer: every layer kind compiles once
                 layer.compile()
         self.drafter = drafter
+        self.gamma = self.tc.gamma or default_gamma(self.dcfg.block_size)
+        self.rank_term = (self.tc.rank_weight, self.tc.rank_k)  # loss.dflash_loss's ranking term
+
+    def _wrap_model(self) -> None:
+        """The frozen head as the loss multiplies it, and the drafter as the step runs it: FSDP2
+        (train.parallel fsdp), DDP, or itself in a world of one."""
+        drafter = self.drafter
         self.head = compute_head(drafter, self.device)
         self.fsdp = self.world > 1 and self.tc.parallel == "fsdp"
         if self.fsdp:
@@ -330,8 +297,9 @@ class Trainer:
             self.model = DDP(drafter, device_ids=ids)
         else:
             self.model = drafter
-        self.gamma = self.tc.gamma or default_gamma(self.dcfg.block_size)
-        self.rank_term = (self.tc.rank_weight, self.tc.rank_k)  # loss.dflash_loss's ranking term
+
+    def _checkpoint_state(self) -> None:
+        """What a checkpoint is made under (the fingerprint) and a finished run records."""
         # Everything train's digest covers (stages.py), the world size (each rank's data
         # position) and the features' content: a finished run records all of it
         # (checkpoint.mark_finished); a checkpoint resumes only when all of it but the
@@ -549,17 +517,17 @@ class Trainer:
             dist.barrier()
 
 
-def train_and_export(cfg: Config, manifest: Path, run_dir: Path, drafter: str | Path,
-                     metrics: str | Path, device: torch.device) -> Trainer:  # fmt: skip
+def run(cfg: Config, paths: TrainPaths, device: torch.device) -> Trainer:
     """One process's share of the stage: train (resuming where the run directory allows), then
     export the drafter and the metrics and record the run finished (rank 0)."""
+    run_dir = Path(paths.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    trainer = Trainer(cfg, manifest, run_dir, device)
+    trainer = Trainer(cfg, paths.manifest, run_dir, device)
     trainer.train()
     weights = trainer.export_state()  # every rank: a collective under FSDP
     if trainer.rank == 0:
-        save_drafter(trainer.drafter, drafter, dtype=torch.bfloat16, tensors=weights)
-        with atomic_path(metrics) as tmp:
+        save_drafter(trainer.drafter, paths.drafter, dtype=torch.bfloat16, tensors=weights)
+        with atomic_path(paths.metrics) as tmp:
             shutil.copyfile(run_dir / "metrics.jsonl", tmp)
         write_json(run_dir / "summary.json", {"steps": trainer.step, "skipped": trainer.stats})
         checkpoint.mark_finished(run_dir, trainer.step, trainer.settings)  # the very last write
@@ -567,18 +535,14 @@ def train_and_export(cfg: Config, manifest: Path, run_dir: Path, drafter: str | 
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Entry point of one training process: a torchrun worker, or the only process."""
-    ap = argparse.ArgumentParser(prog="dflashpipe.train")
-    ap.add_argument("--config", required=True)
-    ap.add_argument("--manifest", required=True)
-    ap.add_argument("--run-dir", required=True)
-    ap.add_argument("--drafter", required=True, help="export directory")
-    ap.add_argument("--metrics", required=True, help="metrics.jsonl copied here at the end")
-    args = ap.parse_args(argv)
+    """Entry point of one training process, a torchrun worker or the only one: its one argument
+    is the launcher's TrainPaths as JSON; the config is the planned one it names."""
+    (job,) = sys.argv[1:] if argv is None else argv
+    paths = TrainPaths.from_json(job)
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    cfg = load_config(args.config)
+    cfg = load_config(paths.config)
     use_cuda = torch.cuda.is_available() and os.environ.get("DFLASHPIPE_DEVICE", "") != "cpu"
     if "WORLD_SIZE" in os.environ:
         if "TORCHELASTIC_RUN_ID" in os.environ:  # a torchrun worker: no life after its agent
@@ -598,9 +562,7 @@ def main(argv: list[str] | None = None) -> None:
         else max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
     )
     with carried("train"):
-        train_and_export(
-            cfg, Path(args.manifest), Path(args.run_dir), args.drafter, args.metrics, device
-        )
+        run(cfg, paths, device)
     if dist.is_initialized():
         dist.destroy_process_group()
 

@@ -46,35 +46,32 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from dflashpipe.decoding.batched_step import (
-    FLEX_BLOCK,
-    advance,
-    decode_inputs,
-    decode_layer,
-    decode_layer_flex,
-    decode_state,
-    default_pack,
-    pack_forward,
-    pack_lengths,
-    span_lengths,
-)
-from dflashpipe.decoding.families import (
-    attention_extras,
-    check_target,
-    final_softcap,
-    fuse_layer,
-    graph_safe_experts,
-    head_shape,
-    layer_windows,
-    rope_tables,
-)
+from dflashpipe.decoding.batched_step import advance, decode_state
+from dflashpipe.decoding.families import attention_extras, check_target
+from dflashpipe.decoding.layers import FLEX_BLOCK, decoder_layer, rows_inputs
 from dflashpipe.decoding.memory import check_fit
+from dflashpipe.decoding.packs import default_pack, fill_pack, pack_lengths
 from dflashpipe.decoding.sampling import Sampling
-from dflashpipe.decoding.static_models import CAPACITY_ALIGN, capture, compiled, kv_buffer
+from dflashpipe.decoding.static_models import (
+    CAPACITY_ALIGN,
+    StaticTarget,
+    capture,
+    compiled,
+    step_modes,
+)
 
 REFILL_SHARE = 16  # by default refills wait for rows / REFILL_SHARE free rows at most
 MAX_STOPS = 32  # stop ids a call may give (a fixed-size buffer the step reads)
 ATTENTIONS = ("dense", "flex")
+
+
+def span_lengths(capacity: int) -> list[int]:
+    """The cache spans a decode step may attend over, shortest first: the capacity's quarters
+    (aligned), the capacity last. Each step takes the shortest that holds every busy row's slots
+    so far and the one it writes, so it reads about as much of the cache as the rows fill, and a
+    run fed longest prompts first (as regenerate's plan is) less and less as it goes."""
+    aligned = {-(-capacity * q // 4 // CAPACITY_ALIGN) * CAPACITY_ALIGN for q in (1, 2, 3)}
+    return sorted(n for n in aligned if n < capacity) + [capacity]
 
 
 @dataclass(frozen=True)
@@ -150,35 +147,22 @@ class BatchedEngine:
         align = FLEX_BLOCK if self.flex else CAPACITY_ALIGN
         self.capacity = -(-capacity // align) * align
         check_fit(model, rows, self.capacity, memory_budget)
-        self.model, self.base, self.rows = model, model.get_decoder(), rows
-        weight = self.base.embed_tokens.weight
-        self.device = weight.device
-        cuda = self.device.type == "cuda"
-        self.graphs = cuda if graphs is None else graphs
-        if self.graphs and not cuda:
-            raise ValueError(f"CUDA graphs need a CUDA device; the target is on {self.device}")
-        self.compiled = self.graphs if compile is None else compile
-        graph_safe_experts(model, self.graphs, self.compiled)  # a MoE target's, fixed-shape
-        heads, kv_heads, head_dim = head_shape(model.config)
-        self.groups = heads // kv_heads
-        shape = (rows + 1, kv_heads, self.capacity, head_dim)  # row `rows`: scratch
-        self.kv, self.k, self.v = kv_buffer(len(self.base.layers), shape, weight)
-        self.fused = [fuse_layer(layer) for layer in self.base.layers]
+        self.model, self.rows = model, rows
+        self.device = model.get_input_embeddings().weight.device
+        self.graphs, self.compiled = step_modes(model, graphs, compile)
+        # the target's buffers (row `rows`: scratch), fused weights, RoPE tables and windows
+        self.target = StaticTarget(model, self.capacity, rows=rows + 1)
+        self.kv, self.k, self.v = self.target.kv, self.target.k, self.target.v
         longest = 1 << (self.capacity - 1).bit_length()  # every prompt fits a pack
         self.pack = max(longest, pack_tokens or default_pack(model))
         self.packs = pack_lengths(self.pack)
         self.refill_rows = refill_rows or max(1, rows // REFILL_SHARE)
         if not 1 <= self.refill_rows <= rows:
             raise ValueError(f"refill_rows is {refill_rows}: expected 1..{rows} (the rows)")
-        self.layer = compiled(decode_layer_flex if self.flex else decode_layer, self.compiled)
-        self.inputs = compiled(decode_inputs, self.compiled)
-        self.cols = torch.arange(self.capacity, device=self.device)  # (C,)
-        # the model's own rotary embedding over every slot (per RoPE kind), as StaticTarget
-        self.tables, self.rope_of = rope_tables(self.base, self.cols, weight.dtype)
-        per_layer = layer_windows(model.config)
-        self.windows = list(dict.fromkeys(per_layer))  # one mask per distinct window
-        self.mask_of = [self.windows.index(w) for w in per_layer]
-        self.softcap = final_softcap(model.config)
+        # the engine's layers, their graphs kept apart from the other engines' (`compiled`)
+        cache = "decode flex" if self.flex else "decode"
+        self.layer = compiled(decoder_layer, self.compiled, cache=cache)
+        self.inputs = compiled(rows_inputs, self.compiled, cache="decode")
         # every row's decode state (graph inputs and outputs); the call's stop ids, -1 padded
         self.state = decode_state(rows, self.capacity, self.device)
         self.stops = torch.full((MAX_STOPS,), -1, dtype=torch.long, device=self.device)
@@ -189,7 +173,7 @@ class BatchedEngine:
         self._steps: dict[tuple, Callable] = {}
         self._graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, list[Tensor]]] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.graphs else None
-        pinned = {"pin_memory": True} if cuda else {}
+        pinned = {"pin_memory": True} if self.device.type == "cuda" else {}
         self._host = [torch.zeros(3, rows, dtype=torch.long, **pinned) for _ in range(2)]
         self.stats: Counter[str] = Counter()  # steps, prefills, prefill/prompt_tokens, captures
 
@@ -256,8 +240,9 @@ class BatchedEngine:
         for key in [None] + ([sampling] if sampling is not None else []):
             for span in self.spans:
                 self._decoder(key, span)
-        for T in self.packs:
-            self._run(("prefill", T), self._prefill_forward, torch.from_numpy(self._blank(T)))
+        for T in self.packs:  # all padding: writes the scratch row only
+            self._run(("prefill", T), self._prefill_forward,
+                      torch.from_numpy(fill_pack([], [T], self.rows)[0]))  # fmt: skip
 
     @torch.no_grad()
     def idle_steps(self, n: int) -> None:
@@ -300,23 +285,21 @@ class BatchedEngine:
             if sampling not in self._choosers:
 
                 def tokens(norm, lm_head, x, state, stops):  # sampling: a constant of the graph
-                    advance(norm, lm_head, x, state, stops, sampling, self.softcap)
+                    advance(norm, lm_head, x, state, stops, sampling, self.target.softcap)
 
                 self._choosers[sampling] = compiled(tokens, self.compiled)
             choose = self._choosers[sampling]
             k = [k[: self.rows, :, :span] for k in self.k]  # views: the step reads no further
             v = [v[: self.rows, :, :span] for v in self.v]
-            cols, s, b = self.cols[:span], self.state, self.base
+            t, s = self.target, self.state
+            cols = t.cols[:span]
 
-            def step() -> None:
-                x, ropes, index, masks = self.inputs(b.embed_tokens, self.tables, cols,
-                                                     s["token"], s["length"], self.windows,
-                                                     self.groups, self.flex)  # fmt: skip
-                for i, layer in enumerate(b.layers):
-                    cos, sin = ropes[self.rope_of[i]]
-                    x = self.layer(layer, x, k[i], v[i], cos, sin, index, masks[self.mask_of[i]],
-                                   self.fused[i])  # fmt: skip
-                choose(b.norm, self.model.lm_head, x, s, self.stops)
+            def step() -> None:  # one token per row: (R, 1) inputs, views of the state
+                x, ropes, index, masks = self.inputs(t.base.embed_tokens, t.tables, cols,
+                                                     s["token"][:, None], s["length"][:, None],
+                                                     t.windows, t.groups, self.flex)  # fmt: skip
+                x, _ = t.run_layers(x, ropes, index, masks, k, v, self.layer)  # (R, 1, H)
+                choose(t.base.norm, self.model.lm_head, x[:, 0], s, self.stops)
 
             self._steps[key] = step
         if self.graphs and key not in self._graphs:
@@ -376,34 +359,21 @@ class BatchedEngine:
         self._prefill([(r, requests[j].prompt[:-1]) for r, j in taken])
 
     def _prefill(self, jobs: list[tuple[int, Sequence[int]]]) -> None:
-        """Each (row, tokens) cached at slots 0..len-1 of its row, all in one pack: the prompts
-        one after another, padded to the shortest pack length that holds them (the pad writes
-        the scratch row)."""
+        """Each (row, tokens) cached at slots 0..len-1 of its row, all in one pack
+        (packs.fill_pack; the pad writes the scratch row), with no logits: a row's last prompt
+        token is its first step's input. Eager, one graph per pack length on CUDA."""
         used = sum(len(ids) for _, ids in jobs)
         if not used:  # one-token prompts have nothing to cache
             return
-        T = next(n for n in self.packs if n >= used)
-        pack, at = self._blank(T), 0
-        for k, (row, ids) in enumerate(jobs):
-            m = len(ids)
-            pack[:, at : at + m] = [ids, [row] * m, range(m), [k] * m]
-            at += m
+        pack, _ = fill_pack(jobs, self.packs, self.rows)
+        T = pack.shape[1]
         self._run(("prefill", T), self._prefill_forward, torch.from_numpy(pack))
         self.stats["prefills"] += 1
         self.stats["prefill_tokens"] += T
         self.stats["prompt_tokens"] += used
 
-    def _blank(self, T: int) -> np.ndarray:
-        """A pack (4, T) of padding only: ids 0, rows the scratch row, positions 0, prompt -1."""
-        pack = np.zeros((4, T), dtype=np.int64)  # ids, rows, positions, prompt in the pack
-        pack[1], pack[3] = self.rows, -1
-        return pack
-
     def _prefill_forward(self, pack: Tensor) -> None:
-        """A pack (4, T) of ids, cache rows, positions and prompt numbers into the cache: every
-        layer's K/V, no logits (a row's last prompt token is its first step's input). Eager
-        (one graph per pack length on CUDA)."""
-        pack_forward(self, self.k, self.v, pack)
+        self.target.pack(pack, self.k, self.v)
 
     def _run(self, key: tuple, fn: Callable, *inputs: Tensor) -> None:
         """fn(*inputs), or with graphs the replay of fn's graph for key (inputs copied into its

@@ -6,7 +6,7 @@ serving engine batches its requests (evaluate.concurrency).
                   queue when its answer ends (continuous batching), so rows never wait for
                   each other's acceptance
     refill        the queue's next prompts into the rows a step freed, as many to one pack
-                  as fit (4, T) (batched_step: each prompt attends to itself only): every
+                  as fit (4, T) (packs.py: each prompt attends to itself only): every
                   layer's K/V at the rows' slots 0..P-1, the drafter's context where DFlash
                   decodes, and each prompt's first token. refill "step" (the default, as
                   serving engines mix prefill into their decode batches): the pack rides in the
@@ -31,8 +31,9 @@ A row with nothing left to decode idles: its length is put back to 0 after each 
 writes stay in its own first slots, and its outputs are dropped. Steps are fixed-shape functions
 over static buffers, compiled and captured as CUDA graphs where the engine is (engine.py).
 
-The layers are the static engine's: the same fused weights, RoPE tables, masks' windows and
-family functions (families.py), with a row dimension in front. Outputs equal the engine's c = 1
+The layers are every engine's (layers.py, over N = c rows), with the engine's models' fused
+weights, RoPE tables and windows (static_models.py); this module decides what runs each step,
+the refills and the acceptance. Outputs equal the engine's c = 1
 decoding token for token in float32 (tests/test_families.py, every family). DDTree is not
 batched: evaluate measures it at c = 1 only.
 """
@@ -47,187 +48,30 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
-from dflashpipe.decoding.batched_step import (
-    default_pack,
-    pack_attend,
-    pack_forward,
-    pack_lengths,
+from dflashpipe.decoding.engine import Engine, accept_chain
+from dflashpipe.decoding.layers import (
+    chain_drafts,
+    context_rows,
+    decoder_layer,
+    drafter_inputs,
+    mixed_layer,
     pack_masks,
-    prefill_layer,
-)
-from dflashpipe.decoding.engine import Engine
-from dflashpipe.decoding.families import (
-    attend_cache,
-    fused_mlp,
-    layer_attention,
-    layer_out,
-    layer_qkv,
-    project_qkv,
-    rotate,
-    windowed,
+    rows_inputs,
+    target_outputs,
 )
 from dflashpipe.decoding.lookup import LookupConfig, PromptLookupProposer
 from dflashpipe.decoding.memory import MEMORY_SHARE, free_memory
-from dflashpipe.decoding.static_models import (
-    capture,
-    compiled,
-    kv_buffer,
-    target_outputs,
-)
+from dflashpipe.decoding.packs import default_pack, fill_pack, pack_lengths
+from dflashpipe.decoding.static_models import capture, compiled
 from dflashpipe.decoding.types import Decoded, clock, finish
-from dflashpipe.model import Drafter, apply_rope
 
 # prompt lookup's setting: one for every prompt, or one per prompt (evaluate: each source's best)
 Lookups = LookupConfig | Sequence[LookupConfig] | None
 # how freed rows take the queue's next prompts: in the next step's forward ("step") or in a
 # forward of their own between steps ("pack")
 REFILLS = ("step", "pack")
-
-
-def rows_inputs(
-    embed: nn.Module, tables: list[tuple[Tensor, Tensor]], cols: Tensor, ids: Tensor,
-    slots: Tensor, windows: list[int | None], groups: int,
-) -> tuple[Tensor, list[tuple[Tensor, Tensor]], tuple[Tensor, Tensor], list[Tensor]]:  # fmt: skip
-    """A step's inputs to the target's layers for ids (N, Q) at slots = positions (N, Q):
-    embeddings (N, Q, H), per RoPE table its rows (N, Q, 1, D), where the K/V go (rows (N, 1),
-    slots), and per entry of `windows` the folded mask (N, 1, g*Q, C): each query sees its row's
-    slots up to its own (within the window)."""
-    full = cols <= slots[..., None]  # (N, Q, C)
-    masks = [windowed(full, slots, cols, w).repeat(1, groups, 1)[:, None] for w in windows]
-    ropes = [(cos[slots][:, :, None], sin[slots][:, :, None]) for cos, sin in tables]
-    rows = torch.arange(ids.shape[0], device=ids.device)[:, None]
-    return embed(ids), ropes, (rows, slots), masks
-
-
-def rows_layer(
-    layer: nn.Module, x: Tensor, k_cache: Tensor, v_cache: Tensor, cos: Tensor, sin: Tensor,
-    index: tuple[Tensor, Tensor], mask: Tensor, fused: tuple,
-) -> Tensor:  # fmt: skip
-    """One target decoder layer over Q new tokens per row, x (N, Q, H): their K/V written at
-    the rows' own slots (index_put_, as the batched engine writes), attention over each row's
-    buffer (N, Hkv, C, D) under its mask."""
-    q, k, v = layer_qkv(layer, x, fused)  # (N, Q, Hq, D), (N, Q, Hkv, D)
-    return layer_out(layer, x, rows_attend(layer, q, k, v, k_cache, v_cache, cos, sin, index,
-                                           mask), fused)  # fmt: skip
-
-
-def rows_attend(
-    layer: nn.Module, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
-    cos: Tensor, sin: Tensor, index: tuple[Tensor, Tensor], mask: Tensor,
-) -> Tensor:  # fmt: skip
-    """rows_layer's attention over the rows' projections q (N, Q, Hq, D), k / v (N, Q, Hkv, D):
-    the rotated K/V written at the rows' slots, the queries attending over each row's buffer
-    under its mask. Returns (N, Q, Hq*D) for the layer's output projection."""
-    rows, slots = index
-    k_cache[rows, :, slots] = rotate(k, cos, sin)  # (N, Q, Hkv, D)
-    v_cache[rows, :, slots] = v
-    y = layer_attention(layer, rotate(q, cos, sin).transpose(1, 2), k_cache, v_cache, mask)
-    return y.transpose(1, 2).flatten(2)
-
-
-def mixed_layer(
-    layer: nn.Module, x: Tensor, k_cache: Tensor, v_cache: Tensor, cos: Tensor, sin: Tensor,
-    index: tuple[Tensor, Tensor], mask: Tensor, pack_rope: tuple[Tensor, Tensor],
-    pack_index: tuple[Tensor, Tensor], pack_mask: Tensor, fused: tuple,
-) -> Tensor:  # fmt: skip
-    """`rows_layer` and `prefill_layer` through one pass of the layer's matmuls: x (N*Q + T, H)
-    is the rows' Q tokens each, flattened, then a refill pack's T tokens (a step that refills,
-    as a serving engine mixes prefill into its decode batch). The rows' part (`rows_attend`)
-    writes and reads the first N rows of the buffers (rows + 1, Hkv, C, D); the pack's part
-    (`pack_attend`) writes at (row, position) = pack_index and attends among the pack's own
-    tokens under `pack_mask`. The pack is written after the rows: a refilled row idles in this
-    step's rows part, which writes its first slots."""
-    N, Q = index[1].shape
-    n = N * Q
-    q, k, v = layer_qkv(layer, x, fused)  # (M, Hq, D), (M, Hkv, D)
-    qr, kr, vr = (t[:n].unflatten(0, (N, Q)) for t in (q, k, v))
-    yr = rows_attend(layer, qr, kr, vr, k_cache[:N], v_cache[:N], cos, sin, index, mask)
-    yp = pack_attend(layer, q[None, n:], k[None, n:], v[None, n:], k_cache, v_cache, *pack_rope,
-                     pack_index, pack_mask)  # fmt: skip
-    return layer_out(layer, x, torch.cat([yr.flatten(0, 1), yp[0]]), fused)
-
-
-def rows_drafter_inputs(
-    drafter: Drafter, anchor: Tensor, mask_ids: Tensor, cos: Tensor, sin: Tensor, cols: Tensor,
-    offsets: Tensor, length: Tensor, windows: list[int | None], groups: int,
-) -> tuple[Tensor, tuple[Tensor, Tensor], Tensor, Tensor, list[Tensor]]:  # fmt: skip
-    """static_models.drafter_inputs per row: the blocks [anchor_r, MASK x B-1] (N, B) at
-    positions T_r..T_r+B-1 (length (N,)): embeddings (N, B, H), where their K/V go, RoPE rows
-    (N, B, 1, D) and per window the folded mask (N, 1, g*B, C) of the row's context and block."""
-    N, B = anchor.shape[0], offsets.shape[0]
-    x = drafter.embed_blocks(torch.cat([anchor[:, None], mask_ids.expand(N, -1)], 1))
-    slots = length[:, None] + offsets  # (N, B)
-    slot, j, T = offsets[None, :, None], cols[None, None, :], length[:, None, None]
-    kv_slot = j - T  # (N, 1, C): block slot of column j, negative for context
-    context, in_block = j < T, (kv_slot >= 0) & (kv_slot < B)
-    masks = []
-    for w in windows:
-        if w is None:
-            mask = (context | in_block).expand(N, B, -1)
-        else:
-            near = T + slot - j < w  # (N, B, C)
-            causal = (kv_slot <= slot) & (slot - kv_slot < w)
-            mask = (context & near) | (in_block & causal)
-        masks.append(mask.repeat(1, groups, 1)[:, None])
-    rows = torch.arange(N, device=anchor.device)[:, None]
-    return x, (rows, slots), cos[slots][:, :, None], sin[slots][:, :, None], masks
-
-
-def rows_drafter_layer(
-    layer: nn.Module, x: Tensor, k_cache: Tensor, v_cache: Tensor, cos: Tensor, sin: Tensor,
-    index: tuple[Tensor, Tensor], mask: Tensor, fused: tuple,
-) -> Tensor:  # fmt: skip
-    """static_models.drafter_layer per row: blocks x (N, B, H), their K/V at the rows' slots."""
-    attn = layer.self_attn
-    q, k, v = project_qkv(layer.input_layernorm(x), fused, attn.num_kv_heads, attn.head_dim)
-    q, k = attn.q_norm(q), attn.k_norm(k)  # (N, B, Hq, D), (N, B, Hkv, D)
-    rows, slots = index
-    k_cache[rows, :, slots] = apply_rope(k, cos, sin)
-    v_cache[rows, :, slots] = v
-    y = attend_cache(apply_rope(q, cos, sin).transpose(1, 2), k_cache, v_cache, mask, None)
-    x = x + attn.o_proj(y.transpose(1, 2).flatten(2))
-    return x + fused_mlp(layer.mlp, layer.post_attention_layernorm(x), fused)
-
-
-def rows_context(
-    drafter: Drafter, states: Tensor, kv: Tensor, weight: Tensor, cos: Tensor, sin: Tensor,
-    index: tuple[Tensor, Tensor],
-) -> None:  # fmt: skip
-    """static_models.context_rows per row: target states (N, Q, n_taps*H) projected into every
-    drafter layer's context K/V at the rows' slots = positions (index: rows (N, 1), slots
-    (N, Q)) of `kv` (2n, N, Hkv, C, D)."""
-    rows, slots = index
-    ctx = drafter.context(states)  # (N, Q, H)
-    n, D = len(drafter.layers), drafter.config.head_dim
-    proj = (ctx @ weight.T).unflatten(-1, (2 * n, -1, D))  # (N, Q, 2n, Hkv, D)
-    k = torch.stack([layer.self_attn.k_norm(proj[:, :, i]) for i, layer in enumerate(drafter.layers)], 2)  # fmt: skip
-    k = apply_rope(k, cos[slots][:, :, None, None], sin[slots][:, :, None, None])
-    kv[:, rows, :, slots] = torch.cat([k, proj[:, :, n:]], 2)  # (N, Q, 2n, Hkv, D)
-
-
-def rows_chain(drafter: Drafter, x: Tensor) -> Tensor:
-    """The greedy drafts (N, B-1) of slots 1..B-1 from the last layer's block rows (N, B, H)."""
-    return drafter.lm_head(drafter.norm(x[:, 1:])).argmax(-1)
-
-
-def accept_rows(
-    logits: Tensor, drafts: Tensor, count: Tensor | None, anchor: Tensor, packed: Tensor,
-    length: Tensor,
-) -> None:  # fmt: skip
-    """engine.accept_chain per row: greedy tokens g (N, Q) of logits (N, Q, V); n_r = row r's
-    matched prefix of drafts (N, Q-1) (only its first count_r can match; None: all);
-    anchor = g_{r, n_r}, packed = [n_r + 1, g_r] (N, Q+1), length += n + 1."""
-    greedy = logits.argmax(-1)  # (N, Q)
-    match = drafts == greedy[:, :-1]  # (N, Q-1)
-    if count is not None:  # pads never match
-        match &= torch.arange(drafts.shape[1], device=drafts.device) < count[:, None]
-    n = match.long().cumprod(1).sum(1)  # (N,)
-    anchor.copy_(greedy.gather(1, n[:, None])[:, 0])
-    packed[:, :1].copy_(n[:, None] + 1)
-    packed[:, 1:].copy_(greedy)
-    length.add_(n + 1)
 
 
 def rows_bytes(engine: Engine, rows: int) -> int:
@@ -289,27 +133,23 @@ class ConcurrentEngine:
         self.engine, self.rows, self.refill = engine, rows, refill
         t, d = engine.target, engine.drafter
         self.device, on = engine.device, engine.compiled
-        weight = t.base.embed_tokens.weight
         # one row more than the steps read (row `rows`): a refill pack's padding writes there
-        _, self.k_all, self.v_all = kv_buffer(
-            len(t.base.layers), (rows + 1, t.num_kv_heads, t.capacity, t.head_dim), weight
-        )
+        _, self.k_all, self.v_all = t.buffers(rows + 1)
         self.k, self.v = [k[:rows] for k in self.k_all], [v[:rows] for v in self.v_all]
         if d is not None:
-            cfg = d.drafter.config
-            self.dkv, dk, dv = kv_buffer(
-                len(d.drafter.layers),
-                (rows + 1, cfg.num_key_value_heads, d.capacity, cfg.head_dim), d.drafter.fc.weight,
-            )  # fmt: skip
+            self.dkv, dk, dv = d.buffers(rows + 1)
             self.dk, self.dv = [k[:rows] for k in dk], [v[:rows] for v in dv]
         longest = 1 << (t.capacity - 1).bit_length()  # every prompt fits a pack
         self.packs = pack_lengths(max(longest, default_pack(t.model)))
-        fns = rows_inputs, rows_layer, target_outputs, rows_drafter_inputs, rows_drafter_layer
-        self.inputs, self.layer, self.outputs, self.draft_inputs, self.draft_layer = (
-            compiled(fn, on, dynamic) for fn in fns
-        )
-        self.context, self.chain = (compiled(fn, on, dynamic) for fn in (rows_context, rows_chain))
-        self.prefill = compiled(prefill_layer, on, None)  # pack lengths vary at every level
+        # the engine's layers, their graphs kept apart from its c = 1 steps' (`compiled`)
+        self.inputs = compiled(rows_inputs, on, dynamic, cache="rows")
+        self.layer = compiled(decoder_layer, on, dynamic, cache="rows")
+        self.outputs = compiled(target_outputs, on, dynamic)
+        self.draft_inputs = compiled(drafter_inputs, on, dynamic, cache="rows")
+        self.draft_layer = compiled(decoder_layer, on, dynamic, cache="rows drafter")
+        self.context = compiled(context_rows, on, dynamic, cache="rows")
+        self.chain = compiled(chain_drafts, on, dynamic, cache="rows")
+        self.prefill = compiled(decoder_layer, on, None, cache="pack")  # pack lengths vary
         self.mix = compiled(mixed_layer, on, None)
         long = {"dtype": torch.long, "device": self.device}
         self.length = torch.zeros(rows, **long)
@@ -345,33 +185,24 @@ class ConcurrentEngine:
         t = self.engine.target
         x, ropes, index, masks = self.inputs(t.base.embed_tokens, t.tables, t.cols, ids, slots,
                                              t.windows, t.groups)  # fmt: skip
-        N, Q = ids.shape
-        if T:
-            pack = self.pack_in[T]
-            _, prow, ppos, _ = pack
-            pmasks = pack_masks(pack, t.windows, t.groups)
-            x = torch.cat([x.flatten(0, 1), t.base.embed_tokens(pack[0])])  # (N*Q + T, H)
-        tapped = {}
-        for i, lay in enumerate(t.base.layers):
-            cos, sin = ropes[t.rope_of[i]]
-            if T:
-                pcos, psin = t.tables[t.rope_of[i]]
-                x = self.mix(lay, x, self.k_all[i], self.v_all[i], cos, sin, index,
-                             masks[t.mask_of[i]], (pcos[ppos], psin[ppos]), (prow, ppos),
-                             pmasks[t.mask_of[i]], t.fused[i])  # fmt: skip
-            else:
-                x = self.layer(lay, x, self.k[i], self.v[i], cos, sin, index,
-                               masks[t.mask_of[i]], t.fused[i])  # fmt: skip
-            if i in t.layer_ids:
-                tapped[i] = x
-        taps_in_order = [tapped[i] for i in t.layer_ids] if taps else []
+        taps_of = t.layer_ids if taps else ()
         if not T:
-            return (*self.outputs(t.base.norm, t.model.lm_head, x, taps_in_order, t.softcap), None)
+            x, tapped = t.run_layers(x, ropes, index, masks, self.k, self.v, self.layer, taps_of)
+            return (*self.outputs(t.base.norm, t.model.lm_head, x, tapped, t.softcap), None)
+        pack = self.pack_in[T]
+        _, prow, ppos, _ = pack
+        N, Q = ids.shape
         n = N * Q
+        x = torch.cat([x.flatten(0, 1), t.base.embed_tokens(pack[0])])  # (N*Q + T, H)
+        pack_ropes = [(cos[ppos], sin[ppos]) for cos, sin in t.tables]  # (T, D) each
+        ropes = [(*rows, *pack) for rows, pack in zip(ropes, pack_ropes, strict=True)]
+        masks = list(zip(masks, pack_masks(pack, t.windows, t.groups), strict=True))
+        x, tapped = t.run_layers(x, ropes, (index, (prow, ppos)), masks, self.k_all, self.v_all,
+                                 self.mix, taps_of)  # fmt: skip
         logits, states = self.outputs(t.base.norm, t.model.lm_head, x[:n].unflatten(0, (N, Q)),
-                                      [h[:n].unflatten(0, (N, Q)) for h in taps_in_order],
+                                      [h[:n].unflatten(0, (N, Q)) for h in tapped],
                                       t.softcap)  # fmt: skip
-        pack_states = torch.cat([h[n:] for h in taps_in_order], -1) if taps else None
+        pack_states = torch.cat([h[n:] for h in tapped], -1) if taps else None
         return logits, states, (x[n:], pack_states)
 
     def _join(self, kind: str, T: int, pack_out: tuple[Tensor, Tensor | None]) -> None:
@@ -390,12 +221,11 @@ class ConcurrentEngine:
         packed[:, 1].copy_(torch.where(new, first, packed[:, 1]))
 
     def _pack_step(self, pack: Tensor, taps: bool) -> None:
-        """A refill pack (4, T) (batched_step.pack_forward) into the rows' buffers; each
+        """A refill pack (4, T) (StaticTarget.pack) into the rows' buffers; each
         prompt's first token (greedy at its last position, `last`) into `first`; with `taps`,
         the drafter's context of every prompt token."""
         t = self.engine.target
-        x, tapped = pack_forward(t, self.k_all, self.v_all, pack, t.layer_ids if taps else (),
-                                 self.prefill)  # fmt: skip
+        x, tapped = t.pack(pack, self.k_all, self.v_all, t.layer_ids if taps else (), self.prefill)
         states = torch.cat(tapped, -1)[0] if taps else None
         self.first.copy_(self._pack_outputs(x[0], states, pack, self.last))
 
@@ -407,28 +237,20 @@ class ConcurrentEngine:
         logits, _ = target_outputs(t.base.norm, t.model.lm_head, x[last], [], t.softcap)
         if states is not None:
             _, rows, pos, _ = pack
-            rows_context(d.drafter, states[None], self.dkv, d.context_weight, d.cos, d.sin,
+            context_rows(d.drafter, states[None], self.dkv, d.context_weight, d.cos, d.sin,
                          (rows[None], pos[None]))  # fmt: skip
         return logits.argmax(-1)
 
     def _propose(self) -> Tensor:
         d = self.engine.drafter
-        x, index, cos, sin, masks = self.draft_inputs(
-            d.drafter, self.anchor, d.masks_ids, d.cos, d.sin, d.cols, d.offsets, self.length,
-            d.windows, d.groups,
-        )  # fmt: skip
-        by_window = dict(zip(d.windows, masks, strict=True))
-        for i, layer in enumerate(d.drafter.layers):
-            mask = by_window[layer.self_attn.sliding_window]
-            x = self.draft_layer(layer, x, self.dk[i], self.dv[i], cos, sin, index, mask,
-                                 d.fused[i])  # fmt: skip
+        x = d.rows(self.anchor, self.length, self.dk, self.dv, self.draft_inputs, self.draft_layer)
         return self.chain(d.drafter, x)  # (N, B-1)
 
     def _greedy_step(self, T: int = 0) -> None:
         slots = self.length[:, None]  # (N, 1)
         logits, _, pack = self._forward(self.anchor[:, None], slots, False, T)
         empty = self.anchor.new_zeros(self.rows, 0)
-        accept_rows(logits, empty, None, self.anchor, self.packed["greedy"], self.length)
+        accept_chain(logits, empty, None, self.anchor, self.packed["greedy"], self.length)
         self._rest("greedy", T, pack)
 
     def _dflash_step(self, T: int = 0) -> None:
@@ -439,7 +261,7 @@ class ConcurrentEngine:
         logits, states, pack = self._forward(ids, slots, True, T)
         rows = torch.arange(self.rows, device=self.device)[:, None]
         self.context(d.drafter, states, self.dkv, d.context_weight, d.cos, d.sin, (rows, slots))
-        accept_rows(logits, drafts, None, self.anchor, self.packed["dflash"], self.length)
+        accept_chain(logits, drafts, None, self.anchor, self.packed["dflash"], self.length)
         self._rest("dflash", T, pack)
 
     def _lookup_step(self, kind: str, T: int = 0) -> None:
@@ -448,7 +270,7 @@ class ConcurrentEngine:
         slots = self.length[:, None] + torch.arange(drafts.shape[1] + 1, device=self.device)
         ids = torch.cat([self.anchor[:, None], drafts], 1)
         logits, _, pack = self._forward(ids, slots, False, T)
-        accept_rows(logits, drafts, count, self.anchor, self.packed[kind], self.length)
+        accept_chain(logits, drafts, count, self.anchor, self.packed[kind], self.length)
         self._rest(kind, T, pack)
 
     def _rest(self, kind: str, T: int, pack: tuple[Tensor, Tensor | None] | None) -> None:
@@ -459,17 +281,9 @@ class ConcurrentEngine:
             self._join(kind, T, pack)
 
     def _pack(self, jobs: list[tuple[int, int, list[int]]]) -> tuple[int, np.ndarray, list[int]]:
-        """Each job's prompt (row, prompt index, tokens) at slots 0..P-1 of its row, in one pack
-        (4, T) of the shortest length that holds them: T, the pack, and each prompt's last
-        token's place in it."""
-        T = next(n for n in self.packs if n >= sum(len(p) for _, _, p in jobs))
-        pack, ends, at = self._blank(T), [], 0
-        for k, (r, _, ids) in enumerate(jobs):
-            m = len(ids)
-            pack[:, at : at + m] = [ids, [r] * m, range(m), [k] * m]
-            ends.append(at + m - 1)
-            at += m
-        return T, pack, ends
+        """The jobs' (row, prompt index, tokens) pack (packs.fill_pack): T, the pack, ends."""
+        pack, ends = fill_pack([(r, ids) for r, _, ids in jobs], self.packs, self.rows)
+        return pack.shape[1], pack, ends
 
     def _stage(self, jobs: list[tuple[int, int, list[int]]]) -> int:
         """The jobs' pack into the static input of its length and their rows into `joins`, for
@@ -514,10 +328,8 @@ class ConcurrentEngine:
         return firsts
 
     def _blank(self, T: int) -> np.ndarray:
-        """A pack (4, T) of padding only: ids 0, the scratch row, position 0, prompt -1."""
-        pack = np.zeros((4, T), dtype=np.int64)
-        pack[1], pack[3] = self.rows, -1
-        return pack
+        """A pack (4, T) of padding only: it writes the scratch row."""
+        return fill_pack([], [T], self.rows)[0]
 
     def _pack_graph(self, T: int, taps: bool) -> torch.cuda.CUDAGraph:
         """The refill pack of length T as a CUDA graph over its static input (`_pack_input`),

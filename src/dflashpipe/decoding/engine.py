@@ -40,7 +40,6 @@ instead of every step.
 
 from __future__ import annotations
 
-import logging
 from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
@@ -48,12 +47,17 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from dflashpipe.decoding.families import check_target, graph_safe_experts
-from dflashpipe.decoding.static_models import StaticDrafter, StaticTarget, capture, compiled
+from dflashpipe.decoding.families import check_target
+from dflashpipe.decoding.static_models import (
+    StaticDrafter,
+    StaticTarget,
+    capture,
+    compiled,
+    step_modes,
+)
 from dflashpipe.decoding.types import Decoded, Proposer, clock, finish
 from dflashpipe.model import Drafter
 
-log = logging.getLogger(__name__)
 # Step shapes per compiled layer function: target 1 (greedy), B (verify), budget+1 per DDTree
 # budget; dynamo's default (8) would fall back to eager from the ninth.
 RECOMPILE_LIMIT = 32
@@ -102,20 +106,13 @@ class Engine:
         graphs: bool | None = None,
         compile: bool | None = None,
     ):
-        weight = model.get_input_embeddings().weight
-        cuda = weight.device.type == "cuda"
-        self.graphs = cuda if graphs is None else graphs
-        if self.graphs and not cuda:
-            raise ValueError(f"CUDA graphs need a CUDA device; the target is on {weight.device}")
-        self.compiled = self.graphs if compile is None else compile
+        check_target(model)  # before anything of the model changes
+        self.graphs, self.compiled = step_modes(model, graphs, compile)
         if self.compiled:  # one graph per step shape of each layer function (module docstring)
             torch._dynamo.config.recompile_limit = max(
                 torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT
             )
         layer_ids = list(drafter.config.target_layer_ids) if drafter is not None else []
-        check_target(model)  # before anything of the model changes
-        if switched := graph_safe_experts(model, self.graphs, self.compiled):
-            log.info("target experts run as %s: capturable in %s", switched, model.dtype)
         self.target = StaticTarget(model, max_len, layer_ids, self.compiled)
         self.drafter = (
             StaticDrafter(drafter, max_len, self.compiled) if drafter is not None else None
@@ -148,7 +145,8 @@ class Engine:
     def _greedy_step(self) -> None:
         T = self.length  # (1,): position = slot = T
         logits, _ = self.target.forward(self.anchor, T, T, T)  # (1, V)
-        self.accept(logits, self.no_drafts, None, self.anchor, self.greedy_packed, self.length)
+        self.accept(logits[None], self.no_drafts[None], None, self.anchor, self.greedy_packed[None],
+                    self.length)  # fmt: skip
 
     def _dflash_step(self) -> None:
         """Draft a block, verify it: one step kind, so one graph replay per step."""
@@ -159,7 +157,7 @@ class Engine:
         logits, states = self.target.forward(ids, slots, slots, T, taps=True)  # (B, V)
         # Every row goes into the drafter's context; T advanced by n+1 keeps only the accepted.
         self.drafter.append(states, T)
-        self.accept(logits, drafts, None, self.anchor, self.packed, self.length)
+        self.accept(logits[None], drafts[None], None, self.anchor, self.packed[None], self.length)
 
     def add_step(self, kind: str, step: Callable[[], None]) -> None:
         """A new step kind: one fixed-shape function over the static state (graph inputs and
@@ -322,7 +320,8 @@ class Engine:
         count, drafts = plan[:1], plan[1:]  # (1,), (K,)
         slots = T + torch.arange(K + 1, device=self.device)  # (K+1,): positions too
         logits, _ = self.target.forward(torch.cat([self.anchor, drafts]), slots, slots, T)
-        self.accept(logits, drafts, count, self.anchor, self.lookup_packed[K], self.length)
+        packed = self.lookup_packed[K][None]  # one row
+        self.accept(logits[None], drafts[None], count, self.anchor, packed, self.length)
 
     @torch.no_grad()
     def ddtree(
@@ -339,18 +338,20 @@ def accept_chain(
     logits: torch.Tensor, drafts: torch.Tensor, count: torch.Tensor | None, anchor: torch.Tensor,
     packed: torch.Tensor, length: torch.Tensor,
 ) -> None:  # fmt: skip
-    """Accept a verified chain, on the device: the target's greedy tokens g (Q,) from its logits
-    (Q, V) of [anchor, d_1..d_{Q-1}]; n = the matched prefix of drafts (Q-1,) against g (only the
-    first `count` drafts can match, None: all; a greedy step has none); anchor = g_n,
-    packed = [n+1, g_0..g_{Q-1}] (the step's read-back), length += n+1."""
-    greedy = logits.argmax(-1)  # (Q,): g_i is the target's token after slot i
-    match = drafts == greedy[:-1]  # (Q-1,)
+    """Accept each row's verified chain, on the device (N = 1 row at c = 1, c rows in the
+    concurrent engine): the target's greedy tokens g (N, Q) from its logits (N, Q, V) of
+    [anchor_r, d_r1..d_r,Q-1] (g_ri is its token after slot i); n_r = row r's matched prefix of
+    drafts (N, Q-1) (only its first count_r can match, None: all; a greedy step has none);
+    anchor = g_{r, n_r}, packed = [n_r+1, g_r0..g_r,Q-1] (N, Q+1) (the step's read-back),
+    length += n+1."""
+    greedy = logits.argmax(-1)  # (N, Q)
+    match = drafts == greedy[:, :-1]  # (N, Q-1)
     if count is not None:  # pads never match
-        match &= torch.arange(drafts.shape[0], device=drafts.device) < count
-    n = match.long().cumprod(0).sum(0, keepdim=True)  # (1,)
-    anchor.copy_(greedy.index_select(0, n))  # index_select: no host sync on n
-    packed[:1].copy_(n + 1)
-    packed[1:].copy_(greedy)
+        match &= torch.arange(drafts.shape[1], device=drafts.device) < count[:, None]
+    n = match.long().cumprod(1).sum(1)  # (N,)
+    anchor.copy_(greedy.gather(1, n[:, None])[:, 0])  # a gather: no host sync on n
+    packed[:, :1].copy_(n[:, None] + 1)
+    packed[:, 1:].copy_(greedy)
     length.add_(n + 1)
 
 

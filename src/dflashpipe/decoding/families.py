@@ -190,9 +190,12 @@ def windowed(mask: Tensor, q_pos: Tensor, k_pos: Tensor, window: int | None) -> 
 
 
 def fold_mask(mask: Tensor, groups: int) -> Tensor:
-    """A (Q, L) bool mask in the layout `attend_cache` takes: (1, 1, groups*Q, L). Built once per
-    step and shared by every layer."""
-    return mask.repeat(groups, 1)[None, None]
+    """A bool mask (Q, L), or one per row (N, Q, L), in the layout `attend_cache` takes:
+    (N, 1, groups*Q, L) (N = 1 for a (Q, L) mask). Built once per step and shared by every
+    layer; a view where each row has one query (a decode step), a copy otherwise."""
+    rows = mask if mask.dim() == 3 else mask[None]
+    N, Q, L = rows.shape
+    return rows[:, None].expand(N, groups, Q, L).reshape(N, 1, groups * Q, L)
 
 
 def attend_cache(
@@ -278,12 +281,13 @@ def _fuse(linears: Sequence[nn.Linear]) -> tuple[Tensor, Tensor | None]:
 
 
 def layer_qkv(layer: nn.Module, x: Tensor, fused: Fused) -> tuple[Tensor, Tensor, Tensor]:
-    """A target decoder layer's attention inputs before RoPE: q (..., Hq, D), k and v
-    (..., Hkv, D) of rows x (..., H): input norm, the fused q/k/v matmul, per-head q/k norms
-    where the family has them (Qwen3, Qwen3-MoE, Gemma 3)."""
+    """A decoder layer's attention inputs before RoPE: q (..., Hq, D), k and v (..., Hkv, D) of
+    rows x (..., H): input norm, the fused q/k/v matmul, per-head q/k norms where the family has
+    them (Qwen3, Qwen3-MoE, Gemma 3, the DFlash drafter)."""
     attn = layer.self_attn
-    q, k, v = project_qkv(layer.input_layernorm(x), fused, attn.config.num_key_value_heads,
-                          attn.head_dim)  # fmt: skip
+    # HF attention modules read their KV heads from the config; the drafter's keeps them
+    kv_heads = getattr(attn, "num_kv_heads", None) or attn.config.num_key_value_heads
+    q, k, v = project_qkv(layer.input_layernorm(x), fused, kv_heads, attn.head_dim)
     if hasattr(attn, "q_norm"):
         q, k = attn.q_norm(q), attn.k_norm(k)
     return q, k, v
@@ -309,12 +313,13 @@ def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 def layer_attention(
     layer: nn.Module, q: Tensor, k: Tensor, v: Tensor, mask: Tensor, kernel: bool = False
 ) -> Tensor:
-    """`attend_cache` with the layer's own scaling (Gemma 3: query_pre_attn_scalar), sink logits
-    (gpt-oss) and score soft-capping, where it has them; `kernel` as there."""
+    """`attend_cache` with the layer's own scaling (Gemma 3: query_pre_attn_scalar; none, so
+    1/sqrt(D), for the drafter), sink logits (gpt-oss) and score soft-capping, where it has them;
+    `kernel` as there."""
     attn = layer.self_attn
     sinks = getattr(attn, "sinks", None)
     softcap = getattr(attn, "attn_logit_softcapping", None)
-    return attend_cache(q, k, v, mask, attn.scaling, sinks, softcap, kernel)
+    return attend_cache(q, k, v, mask, getattr(attn, "scaling", None), sinks, softcap, kernel)
 
 
 def attention_extras(model: nn.Module) -> str:

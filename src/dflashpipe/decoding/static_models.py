@@ -1,196 +1,62 @@
-"""Static KV caches: the target and the DFlash drafter over fixed buffers.
+"""Static KV caches: the target and the DFlash drafter over fixed buffers, built once.
 
     StaticTarget    an HF causal LM of a supported family (families.py), its own modules and
-                    weights; K/V of all layers in one (2 x layers, 1, n_kv, capacity, D) buffer
-                    (per-layer views); new tokens at explicit slots and positions
-                    (a tree's siblings share a position, each has its own slot); mask = committed
-                    prefix (< cache_len) + `visible` among the new slots, limited per windowed
-                    layer to its sliding window by position; commit() moves a kept tree path
-                    behind the prefix
+                    weights, q/k/v and gate/up fused (`fuse_layer`: the modules' weights become
+                    views of the fused ones), RoPE tables and distinct windows; K/V of all
+                    layers in one (2 x layers, rows, n_kv, capacity, D) buffer (per-layer views;
+                    `buffers` makes more for the row engines); `forward`: the c = 1 step, new
+                    tokens at explicit slots and positions (a tree's siblings share a position,
+                    each has its own slot); `run_layers`: every engine's loop over the layers;
+                    `pack`: a refill pack's forward; `commit`: a kept tree path moved behind
+                    the prefix
     StaticDrafter   DFlash drafter; context K/V of all layers in one buffer, projected once per
                     accepted row at slot = position (append: one matmul for every layer), a
-                    block [anchor, MASK..] drafted against it (propose, top_k)
+                    block [anchor, MASK..] drafted against it (`rows`, propose, top_k)
 
-Both are what engine.py's fixed-shape steps run (tests check them against the HF forward and the
-eager DFlashProposer in float32). Only step-time values live on the device: no host sync inside.
-
-Compilation (`compile=True`, the engine's default on CUDA): the per-layer functions below
-(`target_layer`, `drafter_layer`, `context_rows`) are compiled whole for fixed shapes, one graph
-per step shape, shared by every layer (their weights are arguments; a sliding and a full layer
-differ only in the mask and RoPE rows they are given); so is the glue around the layers
-(`target_inputs`, `target_outputs`, `drafter_inputs`, `chain_drafts`, `tree_candidates`: masks,
-RoPE rows, embeddings, final norm, LM head, argmax or top-k), which would otherwise be a few
-dozen small kernels per step, each its own launch inside the step's graph. A prefill passes
-`eager=True` and runs them uncompiled, since its length changes per prompt. Inside a compiled
-function `attend_cache` takes plain ops the compiler fuses instead of SDPA's kernel.
-
-Fused projections (both models, as serving engines run them): each layer's q/k/v_proj is one
-matmul and gate/up_proj another (`fuse_layer`; the modules' weights become views of the fused
-ones), and the drafter's context rows take every layer's k/v in one matmul (`context_rows`).
-A faster target step is also the honest baseline: speculative methods look better against a
-target step padded with launches they amortize.
+The layers are layers.py's, the same for every engine; tests check both models against the HF
+forward and the eager DFlashProposer in float32. Only step-time values live on the device: no
+host sync inside. Compilation (`compile=True`, the engine's default on CUDA): the layer function
+is compiled whole for fixed shapes, one graph per step shape shared by every layer (weights are
+arguments; a sliding and a full layer differ only in the mask and RoPE rows they are given), and
+so is the glue around the layers (inputs, outputs, drafts), which would otherwise be a few dozen
+small kernels per step, each its own launch inside the step's graph. A prefill passes
+`eager=True` and runs them uncompiled, since its length changes per prompt. A faster target step
+is also the honest baseline: speculative methods look better against a target step padded with
+launches they amortize.
 """
 
 from __future__ import annotations
 
+import logging
+import types
 from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor, nn
 
 from dflashpipe.decoding.families import (
-    Fused,
-    attend_cache,
     check_target,
     final_softcap,
-    fold_mask,
     fuse_layer,
-    fused_mlp,
+    graph_safe_experts,
     head_shape,
-    layer_attention,
-    layer_out,
-    layer_qkv,
     layer_windows,
-    project_qkv,
     rope_tables,
-    rotate,
-    windowed,
 )
-from dflashpipe.decoding.tree_search import draft_candidates
-from dflashpipe.model import Drafter, apply_rope
+from dflashpipe.decoding.layers import (
+    append_context,
+    chain_drafts,
+    decoder_layer,
+    drafter_inputs,
+    pack_masks,
+    target_inputs,
+    target_outputs,
+    tree_candidates,
+)
+from dflashpipe.model import Drafter
 
+log = logging.getLogger(__name__)
 CAPACITY_ALIGN = 16  # buffer lengths rounded up: memory-efficient SDPA wants aligned mask rows
-
-
-def target_layer(
-    layer: nn.Module, x: Tensor, k_cache: Tensor, v_cache: Tensor, cos: Tensor, sin: Tensor,
-    slots: Tensor, mask: Tensor, fused: Fused,
-) -> Tensor:  # fmt: skip
-    """One HF decoder layer over Q rows x (Q, H) at RoPE rows cos/sin (Q, D): its new K/V
-    written into `slots` of the static buffers (1, Hkv, L, D), attention over them under the
-    folded mask (`fold_mask`; the layer's window is in it); q/k/v and gate/up as one matmul
-    each (`fuse_layer`)."""
-    q, k, v = layer_qkv(layer, x, fused)  # (Q, Hq, D), (Q, Hkv, D)
-    q = rotate(q.transpose(0, 1)[None], cos, sin)  # (1, Hq, Q, D)
-    k_cache.index_copy_(2, slots, rotate(k.transpose(0, 1)[None], cos, sin))
-    v_cache.index_copy_(2, slots, v.transpose(0, 1)[None])
-    y = layer_attention(layer, q, k_cache, v_cache, mask)  # (1, Hq, Q, D)
-    return layer_out(layer, x, y[0].transpose(0, 1).flatten(1), fused)
-
-
-def drafter_layer(
-    layer: nn.Module, x: Tensor, k_cache: Tensor, v_cache: Tensor, cos: Tensor, sin: Tensor,
-    slots: Tensor, mask: Tensor, fused: Fused,
-) -> Tensor:  # fmt: skip
-    """One DFlash drafter layer over a block x (B, H): the block's K/V written into `slots`,
-    attention over context + block (the mask of its sliding window, folded); q/k/v and gate/up
-    as one matmul each (`fuse_layer`)."""
-    attn = layer.self_attn
-    B = x.shape[0]
-    q, k, v = project_qkv(layer.input_layernorm(x), fused, attn.num_kv_heads, attn.head_dim)
-    q, k = attn.q_norm(q), attn.k_norm(k)  # (B, Hq, D), (B, Hkv, D)
-    q = apply_rope(q.transpose(0, 1)[None], cos, sin)  # (1, Hq, B, D)
-    k_cache.index_copy_(2, slots, apply_rope(k.transpose(0, 1)[None], cos, sin))
-    v_cache.index_copy_(2, slots, v.transpose(0, 1)[None])
-    y = attend_cache(q, k_cache, v_cache, mask, None)  # (1, Hq, B, D)
-    x = x + attn.o_proj(y[0].transpose(0, 1).reshape(B, -1))
-    return x + fused_mlp(layer.mlp, layer.post_attention_layernorm(x), fused)
-
-
-def context_rows(
-    drafter: Drafter, states: Tensor, kv: Tensor, weight: Tensor, cos: Tensor, sin: Tensor,
-    start: Tensor | int,
-) -> None:  # fmt: skip
-    """Project target states (R, n_taps*H) once into every drafter layer's context K/V at
-    slots = positions start..start+R-1: k_proj and v_proj of all n layers as one matmul with
-    `weight` (2n*Hkv*D, H) (the layers' k_proj then v_proj rows, `stacked_context_weights`), each
-    layer's k_norm and RoPE (rows of the tables cos/sin (L, D)) on its keys, one write into `kv`
-    (2n, 1, Hkv, L, D) (layer i's K at i, its V at n+i)."""
-    ctx = drafter.context(states)  # (R, H)
-    n, R, D = len(drafter.layers), ctx.shape[0], drafter.config.head_dim
-    slots = start + torch.arange(R, device=ctx.device)  # (R,)
-    cos, sin = cos[slots], sin[slots]  # (R, D)
-    rows = (ctx @ weight.T).view(R, 2 * n, -1, D).transpose(0, 1)  # (2n, R, Hkv, D)
-    k = torch.stack([layer.self_attn.k_norm(rows[i]) for i, layer in enumerate(drafter.layers)])
-    k = apply_rope(k.transpose(1, 2), cos, sin)  # (n, Hkv, R, D)
-    new = torch.cat([k, rows[n:].transpose(1, 2)])[:, None]  # (2n, 1, Hkv, R, D)
-    kv.index_copy_(3, slots, new)
-
-
-def step_mask(cols: Tensor, slots: Tensor, cache_len: Tensor, visible: Tensor | None) -> Tensor:
-    """(Q, L) bool over buffer columns `cols` (L,): the committed prefix (< cache_len) plus,
-    among the new `slots`, `visible` (Q, Q) (None: causal; a tree passes its ancestor matrix)."""
-    Q = slots.shape[0]
-    if visible is None:
-        visible = torch.ones(Q, Q, dtype=torch.bool, device=cols.device).tril()
-    return (cols < cache_len).repeat(Q, 1).index_copy_(1, slots, visible)
-
-
-def target_inputs(
-    embed: nn.Module, tables: list[tuple[Tensor, Tensor]], cols: Tensor, ids: Tensor,
-    positions: Tensor, slots: Tensor, cache_len: Tensor, visible: Tensor | None,
-    windows: list[int | None], groups: int,
-) -> tuple[Tensor, list[tuple[Tensor, Tensor]], list[Tensor]]:  # fmt: skip
-    """A target step's inputs to its layers: embeddings (Q, H) (the model's embedding module:
-    Gemma's scales them), per RoPE table (L, D) the rows (Q, D) of the positions, and per entry
-    of `windows` the folded mask the layers of that window share. A windowed mask measures
-    positions, not slots: a slot's position is its own among the new slots (tree siblings
-    share one), its index in the committed prefix."""
-    full = step_mask(cols, slots, cache_len, visible)  # (Q, L)
-    k_pos = cols.index_copy(0, slots, positions)  # (L,): each slot's position
-    masks = [fold_mask(windowed(full, positions, k_pos, w), groups) for w in windows]
-    return embed(ids), [(cos[positions], sin[positions]) for cos, sin in tables], masks
-
-
-def target_outputs(
-    norm: nn.Module, lm_head: nn.Module, x: Tensor, tapped: list[Tensor], softcap: float | None
-) -> tuple[Tensor, Tensor | None]:
-    """Logits (Q, V) of the last layer's rows x (Q, H) (soft-capped where the family does it),
-    and the tapped layers' rows side by side (Q, n_taps*H), or None without taps."""
-    logits = lm_head(norm(x))
-    if softcap is not None:
-        logits = torch.tanh(logits / softcap) * softcap
-    return logits, torch.cat(tapped, -1) if tapped else None
-
-
-def drafter_inputs(
-    drafter: Drafter, anchor: Tensor, mask_ids: Tensor, cos: Tensor, sin: Tensor, cols: Tensor,
-    offsets: Tensor, length: Tensor, windows: list[int | None], groups: int,
-) -> tuple[Tensor, Tensor, Tensor, Tensor, list[Tensor]]:  # fmt: skip
-    """A draft's inputs to the drafter's layers for the block [anchor (1,), mask_ids (B-1,)]
-    anchored at position T = length: embeddings (B, H), slots T..T+B-1 (B,), their RoPE rows
-    (B, D), and per entry of `windows` (None: full attention) the folded SDPA form of
-    masks.block_mask_mod: context j < T, every slot of the block; a window measures from the
-    query's position T+k and is causal inside the block."""
-    block = torch.cat([anchor, mask_ids])  # (B,)
-    B = block.shape[0]
-    x = drafter.embed_blocks(block[None])[0]  # (B, H)
-    slots = length + offsets  # (B,)
-    slot = offsets[:, None]  # (B, 1)
-    j = cols[None, :]  # (1, L)
-    kv_slot = j - length  # (1, L): block slot of column j, negative for context
-    context = j < length  # (1, L)
-    in_block = (kv_slot >= 0) & (kv_slot < B)  # (1, L)
-    masks = []
-    for w in windows:
-        if w is None:
-            mask = (context | in_block).expand(B, -1)  # (B, L)
-        else:
-            near = length + slot - j < w  # (B, L)
-            causal = (kv_slot <= slot) & (slot - kv_slot < w)  # (B, L)
-            mask = (context & near) | (in_block & causal)  # (B, L)
-        masks.append(fold_mask(mask, groups))
-    return x, slots, cos[slots], sin[slots], masks
-
-
-def chain_drafts(drafter: Drafter, x: Tensor) -> Tensor:
-    """The greedy drafts (B-1,) of slots 1..B-1 from the last layer's block rows x (B, H)."""
-    return drafter.lm_head(drafter.norm(x)[1:]).argmax(-1)
-
-
-def tree_candidates(drafter: Drafter, x: Tensor, k: int) -> tuple[Tensor, Tensor]:
-    """Per slot 1..B-1 the k most likely tokens: float32 log-probabilities and ids (B-1, k)."""
-    return draft_candidates(drafter.lm_head(drafter.norm(x)[1:]), k)
 
 
 def stacked_context_weights(drafter: Drafter) -> Tensor:
@@ -209,6 +75,20 @@ def kv_buffer(n_layers: int, shape: tuple[int, ...], like: Tensor) -> tuple[Tens
     and its per-layer K and V views."""
     kv = torch.zeros((2 * n_layers, *shape), dtype=like.dtype, device=like.device)
     return kv, list(kv[:n_layers]), list(kv[n_layers:])
+
+
+def step_modes(model: nn.Module, graphs: bool | None, compile: bool | None) -> tuple[bool, bool]:
+    """How an engine's steps run on `model`'s device: captured as CUDA graphs (default: on CUDA;
+    refused elsewhere) and compiled (default: with graphs); a mixture of experts then runs
+    experts it can compile whole and capture (families.graph_safe_experts)."""
+    device = model.get_input_embeddings().weight.device
+    graphs = device.type == "cuda" if graphs is None else graphs
+    if graphs and device.type != "cuda":
+        raise ValueError(f"CUDA graphs need a CUDA device; the target is on {device}")
+    compiled = graphs if compile is None else compile
+    if switched := graph_safe_experts(model, graphs, compiled):
+        log.info("target experts run as %s: capturable in %s", switched, model.dtype)
+    return graphs, compiled
 
 
 WARMUP_RUNS = 3  # eager runs on a side stream before a capture, as the CUDA-graph docs advise
@@ -237,12 +117,25 @@ def capture(
     return graph
 
 
-def compiled(fn, on: bool, dynamic: bool | None = False):
+_CODE: dict[tuple[Callable, str], Callable] = {}  # (function, cache name) -> its copy
+
+
+def compiled(fn, on: bool, dynamic: bool | None = False, cache: str | None = None):
     """fn compiled for fixed shapes (one graph per shape; a layer function is shared by every
     layer of a model: regional compilation), or fn itself. `dynamic=None`: Dynamo's automatic
     dynamic shapes instead, one graph for the sizes a second call changes (sizes 0 and 1 keep
-    their own): the concurrent engine's steps, whose row count is each level's."""
-    return torch.compile(fn, fullgraph=True, dynamic=dynamic) if on else fn
+    their own): the concurrent engine's steps, whose row count is each level's. `cache`: a copy
+    of fn's code under that name, one per name for every engine that names it. Dynamo keeps its
+    graphs, its recompile count and the sizes it has seen per code object: the engines share
+    one layer function (layers.py) but keep their graphs apart, as when each had its own."""
+    if not on:
+        return fn
+    if cache is not None:
+        if (fn, cache) not in _CODE:
+            _CODE[fn, cache] = types.FunctionType(fn.__code__.replace(), fn.__globals__,
+                                                  fn.__name__, fn.__defaults__, fn.__closure__)  # fmt: skip
+        fn = _CODE[fn, cache]
+    return torch.compile(fn, fullgraph=True, dynamic=dynamic)
 
 
 def _aligned(n: int) -> int:
@@ -251,14 +144,15 @@ def _aligned(n: int) -> int:
 
 class StaticTarget:
     """An HF causal LM of a supported family (its own modules and weights) over a static KV cache
-    of max_len slots per layer. Slots and positions are separate, so a tree's nodes can share a
-    position while occupying their own slots."""
+    of max_len slots per layer and `rows` rows (the c = 1 engine: one). Slots and positions are
+    separate, so a tree's nodes can share a position while occupying their own slots."""
 
     def __init__(
-        self, model: nn.Module, max_len: int, layer_ids: Sequence[int] = (), compile: bool = False
-    ):
+        self, model: nn.Module, max_len: int, layer_ids: Sequence[int] = (), compile: bool = False,
+        rows: int = 1,
+    ):  # fmt: skip
         check_target(model)
-        self.layer = compiled(target_layer, compile)
+        self.layer = compiled(decoder_layer, compile)
         self.inputs = compiled(target_inputs, compile)
         self.outputs = compiled(target_outputs, compile)
         self.model = model
@@ -273,9 +167,8 @@ class StaticTarget:
         self.max_len, self.capacity = max_len, _aligned(max_len)
         heads, self.num_kv_heads, self.head_dim = head_shape(model.config)
         self.groups = heads // self.num_kv_heads
-        shape = (1, self.num_kv_heads, self.capacity, self.head_dim)
         # one buffer: a tree's commit moves the accepted slots of all layers in two kernels
-        self.kv, self.k, self.v = kv_buffer(len(self.base.layers), shape, weight)
+        self.kv, self.k, self.v = self.buffers(rows)
         self.fused = [fuse_layer(layer) for layer in self.base.layers]
         self.cols = torch.arange(self.capacity, device=self.device)  # (L,)
         self.tables, self.rope_of = rope_tables(self.base, self.cols, self.dtype)  # per layer
@@ -283,6 +176,42 @@ class StaticTarget:
         self.windows = list(dict.fromkeys(per_layer))  # one mask per distinct window
         self.mask_of = [self.windows.index(w) for w in per_layer]
         self.softcap = final_softcap(model.config)
+
+    def buffers(self, rows: int) -> tuple[Tensor, list[Tensor], list[Tensor]]:
+        """Zeroed K/V buffers of `rows` rows for every layer: one (2 x layers, rows, n_kv,
+        capacity, D) tensor and its per-layer K and V views (`kv_buffer`)."""
+        shape = (rows, self.num_kv_heads, self.capacity, self.head_dim)
+        return kv_buffer(len(self.base.layers), shape, self.base.embed_tokens.weight)
+
+    def run_layers(
+        self, x: Tensor, ropes: list[tuple], index: tuple, masks: list, ks: Sequence[Tensor],
+        vs: Sequence[Tensor], layer: Callable, taps: Sequence[int] = (),
+    ) -> tuple[Tensor, list[Tensor]]:  # fmt: skip
+        """x through every decoder layer with `layer` (layers.decoder_layer, compiled or not,
+        or mixed_layer) over the per-layer buffers ks / vs: each layer takes its RoPE table's
+        entry of `ropes` and its window's of `masks`. The last layer's rows and those of the
+        layers in `taps`, in that order."""
+        tapped = {}
+        for i, module in enumerate(self.base.layers):
+            x = layer(module, x, ks[i], vs[i], *ropes[self.rope_of[i]], index,
+                      masks[self.mask_of[i]], self.fused[i])  # fmt: skip
+            if i in taps:
+                tapped[i] = x
+        return x, [tapped[i] for i in taps]
+
+    def pack(
+        self, pack: Tensor, ks: Sequence[Tensor], vs: Sequence[Tensor], taps: Sequence[int] = (),
+        layer: Callable = decoder_layer,
+    ) -> tuple[Tensor, list[Tensor]]:  # fmt: skip
+        """A refill pack (4, T) of ids, cache rows, positions and prompt numbers (packs.py)
+        through every layer: each token's K/V written at (row, position) of ks / vs, attention
+        within its own prompt only. The last layer's rows (1, T, H) and the rows of the layers
+        in `taps`, in that order. `layer`: decoder_layer or a compiled copy of it."""
+        ids, rows, pos, _ = pack
+        ropes = [(cos[pos], sin[pos]) for cos, sin in self.tables]  # (T, D) each
+        masks = pack_masks(pack, self.windows, self.groups)
+        x = self.base.embed_tokens(ids[None])  # (1, T, H)
+        return self.run_layers(x, ropes, (rows, pos), masks, ks, vs, layer, taps)
 
     @torch.no_grad()
     def forward(
@@ -300,24 +229,18 @@ class StaticTarget:
         their K/V written into `slots` (all (Q,) device tensors; cache_len a one-element tensor)
         and, with taps, the outputs of decoder layers `layer_ids` (Q, n_taps*H). `eager`: the
         uncompiled layers (a prefill, whose length changes per prompt)."""
-        inputs, run, outputs = (
-            (target_inputs, target_layer, target_outputs)
+        inputs, layer, outputs = (
+            (target_inputs, decoder_layer, target_outputs)
             if eager
             else (self.inputs, self.layer, self.outputs)
         )
-        x, ropes, masks = inputs(self.base.embed_tokens, self.tables, self.cols, ids, positions,
-                                 slots, cache_len, visible, self.windows, self.groups)  # fmt: skip
-        tapped = {}
-        for i, layer in enumerate(self.base.layers):
-            cos, sin = ropes[self.rope_of[i]]
-            mask = masks[self.mask_of[i]]
-            x = run(layer, x, self.k[i], self.v[i], cos, sin, slots, mask, self.fused[i])
-            if i in self.layer_ids:
-                tapped[i] = x
-        if last_only:
-            x = x[-1:]
-        taps_in_order = [tapped[i] for i in self.layer_ids] if taps else []
-        return outputs(self.base.norm, self.model.lm_head, x, taps_in_order, self.softcap)
+        x, ropes, index, masks = inputs(self.base.embed_tokens, self.tables, self.cols, ids,
+                                        positions, slots, cache_len, visible, self.windows,
+                                        self.groups)  # fmt: skip
+        x, tapped = self.run_layers(x, ropes, index, masks, self.k, self.v, layer,
+                                    self.layer_ids if taps else ())  # fmt: skip
+        x = x[0, -1:] if last_only else x[0]  # (Q, H): the one row
+        return outputs(self.base.norm, self.model.lm_head, x, [t[0] for t in tapped], self.softcap)
 
     @torch.no_grad()
     def commit(self, src_slots: Tensor, dst_start: Tensor | int) -> None:
@@ -335,8 +258,8 @@ class StaticDrafter:
 
     def __init__(self, drafter: Drafter, max_len: int, compile: bool = False):
         self.drafter = drafter
-        self.layer = compiled(drafter_layer, compile)
-        self.context_rows = compiled(context_rows, compile)
+        self.layer = compiled(decoder_layer, compile, cache="drafter")
+        self.context_rows = compiled(append_context, compile)
         self.inputs = compiled(drafter_inputs, compile)
         self.chain = compiled(chain_drafts, compile)
         self.candidates = compiled(tree_candidates, compile)
@@ -350,9 +273,8 @@ class StaticDrafter:
         weight = drafter.fc.weight
         self.device, self.dtype = weight.device, weight.dtype
         self.max_len, self.capacity = max_len, _aligned(max_len)
-        shape = (1, cfg.num_key_value_heads, self.capacity, cfg.head_dim)
         # one buffer: an append writes the context rows of all layers at once (`context_rows`)
-        self.kv, self.k, self.v = kv_buffer(len(drafter.layers), shape, weight)
+        self.kv, self.k, self.v = self.buffers(1)
         self.context_weight = stacked_context_weights(drafter)
         self.fused = [fuse_layer(layer) for layer in drafter.layers]
         self.cols = torch.arange(self.capacity, device=self.device)  # (L,)
@@ -365,30 +287,46 @@ class StaticDrafter:
         self.windows = list(dict.fromkeys(cfg.sliding_windows))
         self.groups = cfg.num_attention_heads // cfg.num_key_value_heads
 
+    def buffers(self, rows: int) -> tuple[Tensor, list[Tensor], list[Tensor]]:
+        """Zeroed context K/V buffers of `rows` rows for every layer (`kv_buffer`)."""
+        cfg = self.drafter.config
+        shape = (rows, cfg.num_key_value_heads, self.capacity, cfg.head_dim)
+        return kv_buffer(len(self.drafter.layers), shape, self.drafter.fc.weight)
+
     @torch.no_grad()
     def append(self, states: Tensor, start: Tensor | int, eager: bool = False) -> None:
         """Context rows of target states (R, n_taps*H) at slots/positions start..start+R-1
         (`eager`: uncompiled, for a prefill's prompt-length rows)."""
-        run = context_rows if eager else self.context_rows
+        run = append_context if eager else self.context_rows
         run(self.drafter, states, self.kv, self.context_weight, self.cos, self.sin, start)
+
+    def rows(
+        self, anchor: Tensor, length: Tensor, ks: Sequence[Tensor], vs: Sequence[Tensor],
+        inputs: Callable, layer: Callable,
+    ) -> Tensor:  # fmt: skip
+        """The last layer's rows (N, B, H) of the blocks [anchor_r, MASK..] (anchor, length
+        (N,)) at positions T_r..T_r+B-1 over the context buffers ks / vs, with `inputs`
+        (layers.drafter_inputs) and `layer` (decoder_layer), compiled or not."""
+        d = self.drafter
+        x, index, cos, sin, masks = inputs(d, anchor, self.masks_ids, self.cos, self.sin,
+                                           self.cols, self.offsets, length, self.windows,
+                                           self.groups)  # fmt: skip
+        by_window = dict(zip(self.windows, masks, strict=True))
+        for i, module in enumerate(d.layers):
+            mask = by_window[module.self_attn.sliding_window]
+            x = layer(module, x, ks[i], vs[i], cos, sin, index, mask, self.fused[i])
+        return x
 
     @torch.no_grad()
     def block_rows(self, anchor: Tensor, length: Tensor) -> Tensor:
         """The last layer's rows (B, H) of the block [anchor, MASK..] at positions T..T+B-1."""
-        d = self.drafter
-        x, slots, cos, sin, masks = self.inputs(d, anchor, self.masks_ids, self.cos, self.sin,
-                                                self.cols, self.offsets, length, self.windows,
-                                                self.groups)  # fmt: skip
-        by_window = dict(zip(self.windows, masks, strict=True))
-        for i, layer in enumerate(d.layers):
-            mask = by_window[layer.self_attn.sliding_window]
-            x = self.layer(layer, x, self.k[i], self.v[i], cos, sin, slots, mask, self.fused[i])
-        return x
+        return self.rows(anchor, length, self.k, self.v, self.inputs, self.layer)[0]
 
     @torch.no_grad()
     def propose(self, anchor: Tensor, length: Tensor) -> Tensor:
         """Greedy drafts (B-1,) of slots 1..B-1 (the chain)."""
-        return self.chain(self.drafter, self.block_rows(anchor, length))
+        x = self.rows(anchor, length, self.k, self.v, self.inputs, self.layer)  # (1, B, H)
+        return self.chain(self.drafter, x)[0]
 
     @torch.no_grad()
     def top_k(self, anchor: Tensor, length: Tensor, k: int) -> tuple[Tensor, Tensor]:

@@ -1,0 +1,80 @@
+"""The features train reads: the stage's own manifest, train.extra_features' beside it, the
+shards they vouch for, and a mask token the data never uses."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+import pyarrow.compute as pc
+
+from dflashpipe.errors import DataError
+from dflashpipe.shards import FeatureShard, check_manifest
+
+
+def choose_mask_token(tok, shard_paths: list[Path]) -> int:
+    """A special token of the target's vocabulary that never occurs in the training data."""
+    used: set[int] = set()
+    for path in shard_paths:
+        ids = pc.list_flatten(FeatureShard(path).table.column("input_ids").combine_chunks())
+        used.update(np.unique(ids.to_numpy()).tolist())
+    core = {tok.eos_token_id, tok.bos_token_id, tok.pad_token_id, tok.unk_token_id}
+    for token_id in sorted(tok.added_tokens_decoder):
+        if token_id not in used and token_id not in core:
+            return token_id
+    raise DataError(
+        "no special token of the target is unused by the data; set drafter.mask_token_id"
+    )
+
+
+def read_manifest(path: Path) -> dict:
+    if not path.is_file():
+        raise DataError(f"feature manifest not found: {path}")
+    try:
+        manifest = json.loads(path.read_text())
+        manifest["shards"], manifest["layer_ids"]
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
+        raise DataError(f"{path}: not a feature manifest ({type(e).__name__}: {e})") from None
+    return manifest
+
+
+def soft_targets_of(path: Path, manifest: dict, distill_weight: float) -> int:
+    """The k of the top-k soft targets that train.distill_weight > 0 trains on (0 when it is 0);
+    features without them are refused, naming the manifest."""
+    if not distill_weight:
+        return 0
+    k = manifest.get("topk", 0)  # manifests written before soft targets existed lack it
+    if not k:
+        raise DataError(
+            f"{path}: the features have no top-k soft targets (made with extract.topk 0), but "
+            f"train.distill_weight {distill_weight} trains on them; extract with extract.topk > 0, "
+            "or set train.distill_weight to 0"
+        )
+    return k
+
+
+def extra_features(path: Path, own: dict, topk: int = 0) -> tuple[dict, list[Path]]:
+    """(manifest, shard paths) of more features to train on (`train.extra_features`): they must
+    come from the same target (weights and tokenizer) with the same layers, hidden size, codec
+    and group size as the stage's own (a drafter trained on a mix of codecs would read inputs of
+    two error levels; and, with soft targets, the same top-k); their shards are the files of
+    those names beside the manifest."""
+    manifest = read_manifest(path)
+    keys = ("layer_ids", "hidden_size", "codec", "group_size")
+    try:
+        check_manifest(manifest, {key: own.get(key) for key in keys}
+                       | {f"target.{k}": own["target"].get(k)
+                          for k in ("weights_sha256", "tokenizer_sha256")}
+                       | ({"topk": topk} if topk else {}))  # fmt: skip
+    except DataError as e:
+        raise DataError(f"train.extra_features {path}: {e}") from None
+    return manifest, [path.parent / Path(s["path"]).name for s in manifest["shards"]]
+
+
+def features_digest(vouched: list[tuple[Path, dict]]) -> str:
+    """What the shards trained on hold: their sha256s, as their manifests vouch for them."""
+    sums = [next(s["sha256"] for s in m["shards"] if Path(s["path"]).name == p.name)
+            for p, m in vouched]  # fmt: skip
+    return hashlib.sha256(json.dumps(sums).encode()).hexdigest()[:16]
