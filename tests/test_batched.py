@@ -158,34 +158,6 @@ def test_the_compiled_step_decodes_as_the_eager_one_and_writes_the_cache_in_plac
     assert decode(flex, prompts, 8, {0}) == want
 
 
-@pytest.mark.parametrize("window", [None, 100])
-def test_flex_blocks_attend_as_the_dense_length_mask(window):
-    """Attention "flex" over 3 KV blocks: rows at the start, inside and at the end of a block,
-    with and without a window reaching back across a block boundary, equal the dense step's
-    masked attention over the whole cache (GQA: 6 query heads over 2 KV heads)."""
-    from torch.nn.attention.flex_attention import flex_attention
-
-    from dflashpipe.decoding.families import windowed
-    from dflashpipe.decoding.layers import FLEX_BLOCK, flex_blocks, flex_mask
-
-    g = torch.Generator().manual_seed(0)
-    C, length = 3 * FLEX_BLOCK, torch.tensor([0, 5, 127, 128, 200, 383])
-    q = torch.randn(6, 6, 1, 16, generator=g)
-    k, v = (torch.randn(6, 2, C, 16, generator=g) for _ in range(2))
-    blocks = flex_blocks(length, C, window)
-    assert blocks[2] == window and blocks[0].flatten().tolist() == (
-        [1, 1, 1, 2, 2, 3] if window is None else [1, 1, 1, 2, 2, 1])  # fmt: skip
-    mask = flex_mask(blocks, length, C)
-    got = flex_attention(q, k, v, block_mask=mask, scale=0.25, enable_gqa=True)
-    cols = torch.arange(C)
-    full = (cols[None] <= length[:, None])[:, None]  # (R, 1, C), as rows_inputs builds it
-    dense = windowed(full, length[:, None], cols[None], window)
-    want = torch.nn.functional.scaled_dot_product_attention(
-        q, k.repeat_interleave(3, 1), v.repeat_interleave(3, 1), attn_mask=dense[:, None],
-        scale=0.25)  # fmt: skip
-    torch.testing.assert_close(got, want)
-
-
 def test_sampled_answers_do_not_depend_on_rows_runs_or_resume(varied):
     model, tok = varied
     prompts, stops = chat_prompts(tok, 14), end_of_turn_ids(tok)

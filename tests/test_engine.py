@@ -53,8 +53,7 @@ def tiny(config_cls, model_cls, **extra):
     return model_cls(config_cls(**SIZES, **extra)).eval()
 
 
-@pytest.fixture(scope="module")
-def llama() -> LlamaForCausalLM:
+def runs_llama() -> LlamaForCausalLM:
     """A Llama that often falls into runs of token 7: every embedding carries a constant in
     dimension 0 and lm_head row 7 reads it, so a drafter drafting 7 gets runs accepted."""
     model = tiny(LlamaConfig, LlamaForCausalLM)
@@ -82,8 +81,7 @@ def make_drafter(target, num_layers=1, seed=1, **kw) -> Drafter:
     return Drafter.from_target_model(config, target).eval()
 
 
-@pytest.fixture(scope="module")
-def drafter(llama) -> Drafter:
+def runs_drafter(llama: LlamaForCausalLM) -> Drafter:
     """A final norm reading only dimension 0 drafts token 7 in every slot: accepted lengths then
     range from 1 to the block size with the target's output."""
     d = make_drafter(llama)
@@ -91,6 +89,16 @@ def drafter(llama) -> Drafter:
         d.norm.weight.zero_()
         d.norm.weight[0] = 1.0
     return d
+
+
+@pytest.fixture(scope="module")
+def llama() -> LlamaForCausalLM:
+    return runs_llama()
+
+
+@pytest.fixture(scope="module")
+def drafter(llama) -> Drafter:
+    return runs_drafter(llama)
 
 
 @pytest.fixture(scope="module")
@@ -388,51 +396,6 @@ def test_compiled_layers_decode_as_the_eager_ones(llama, drafter, engine):
                 want.accepted_lengths,
             )
             assert max(got.accepted_lengths) > 1  # drafts were accepted: the verify path ran
-
-
-def test_compiled_concurrent_steps_decode_as_the_eager_ones_in_one_graph_per_step(llama, drafter):
-    """evaluate.concurrency's steps compiled (as on a GPU): every level decodes the tokens and
-    acceptances of the uncompiled engine, and the row counts above 2 reuse the graphs compiled
-    for 2 (dynamic rows), so a level costs no compile of its own."""
-    from torch._dynamo.utils import counters
-
-    eager, compiled = Engine(llama, MAX_LEN, drafter), Engine(llama, MAX_LEN, drafter, compile=True)
-    graphs = {}
-    for rows in (1, 2, 3):
-        before = counters["stats"]["unique_graphs"]
-        _concurrent_rows_match(eager, compiled, rows)
-        graphs[rows] = counters["stats"]["unique_graphs"] - before
-    assert graphs[1] > 0 and graphs[2] > 0 and graphs[3] == 0, graphs
-
-
-def _concurrent_rows_match(eager: Engine, other: Engine, rows: int, refill: str = "step") -> None:
-    """target-only and DFlash `rows` at a time on `other`'s steps give `eager`'s tokens and
-    acceptances (`refill` on `other`; the eager rows refill in their steps)."""
-    from dflashpipe.decoding.concurrent import ConcurrentEngine
-
-    for method in ("target", "dflash"):
-        want, got = (ConcurrentEngine(e, rows, refill=r).decode(method, PROMPTS, NEW, set())[0]
-                     for e, r in ((eager, "step"), (other, refill)))  # fmt: skip
-        assert [d.output_ids for d in got] == [d.output_ids for d in want], (rows, method)
-        assert [d.accepted_lengths for d in got] == [d.accepted_lengths for d in want]
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_graphed_concurrent_rows_decode_as_the_eager_ones(llama, drafter):
-    """evaluate.concurrency as a GPU runs it: steps and refill packs compiled (the packs' T x T
-    attention on SDPA's kernel) and captured, a graph per pack length (and step kind, where the
-    steps carry the refills), decode the eager rows' tokens and acceptances (float32) at one row
-    and at three (refills packed together), with either refill."""
-    model = copy.deepcopy(llama).cuda()
-    d = make_drafter(model)
-    d.load_state_dict(drafter.state_dict())
-    d = d.cuda()
-    eager, graphed = Engine(model, MAX_LEN, d, graphs=False), Engine(model, MAX_LEN, d)
-    assert graphed.graphs and graphed.compiled and not eager.compiled
-    for rows in (1, 3):
-        for refill in ("step", "pack"):
-            _concurrent_rows_match(eager, graphed, rows, refill)
 
 
 def test_compiled_attention_equals_sdpa_under_a_folded_mask():

@@ -23,12 +23,9 @@ row reads only its own KV blocks instead (flex_attention over a per-row block ta
 step: `flex_blocks`); not for sink logits or score soft-capping. Which is faster on a GPU is
 benchmarks/regenerate.py's `--attention dense flex`.
 
-Refills are gathered: freed rows wait until the next prompts fill a pack (`default_pack`: where a
-pack's dense attention costs what its linear layers do), or `refill_rows` rows are free, or
-nothing else would run (no row busy, or the queue's last requests fit the free rows). A pack
-holds whole prompts under a block-causal mask (each attends to its own earlier tokens only), in
-one of a few lengths (the pack length over powers of 4), so a run captures at most a few prefill
-graphs and its prefill work is the prompts' tokens, not one padded forward per freed row.
+Refills are gathered: freed rows wait until the next prompts fill a pack (packs.py), or
+`refill_rows` rows are free, or nothing else would run (no row busy, or the queue's last
+requests fit the free rows), so prefill work is the prompts' tokens, not a padded forward per row.
 
 Pipelined by one step: the host reads step t-1 back while step t runs and refills the rows it
 finished after step t, so the device never waits on host work; that read-back is the step's

@@ -6,17 +6,13 @@ serving engine batches its requests (evaluate.concurrency).
                   queue when its answer ends (continuous batching), so rows never wait for
                   each other's acceptance
     refill        the queue's next prompts into the rows a step freed, as many to one pack
-                  as fit (4, T) (packs.py: each prompt attends to itself only): every
-                  layer's K/V at the rows' slots 0..P-1, the drafter's context where DFlash
-                  decodes, and each prompt's first token. refill "step" (the default, as
-                  serving engines mix prefill into their decode batches): the pack rides in the
-                  next step's forward, its tokens in the same matmuls as the busy rows'
-                  (`mixed_layer`; a graph per step kind and pack length), and its rows idle in
-                  that step and join after it. refill "pack": a forward of its own between
-                  steps (one CUDA graph per pack length, padding written to a scratch row),
-                  which costs two target steps or more whatever it holds (compiled: 2.1-2.7 ms
-                  on an H100, benchmarks/RESULTS.md), a share of the wall time that grows as
-                  batching cheapens the steps
+                  as fit (packs.py): every layer's K/V at the rows' slots 0..P-1, the
+                  drafter's context where DFlash decodes, each prompt's first token. "step"
+                  (the default, as serving engines mix prefill into decode batches): the pack
+                  rides in the next step's matmuls (`mixed_layer`; a graph per step kind and
+                  pack length) and its rows join after it. "pack": a forward of its own
+                  between steps (a graph per pack length), two target steps or more whatever
+                  it holds (benchmarks/RESULTS.md)
     greedy step   target([anchor_r] at slot T_r) for every row in one forward -> g_r
     dflash step   drafter: c blocks [anchor_r, MASK x B-1] in one forward -> drafts (c, B-1);
                   verify: target(c x B tokens) in one forward -> greedy (c, B); each row accepts
@@ -31,11 +27,10 @@ A row with nothing left to decode idles: its length is put back to 0 after each 
 writes stay in its own first slots, and its outputs are dropped. Steps are fixed-shape functions
 over static buffers, compiled and captured as CUDA graphs where the engine is (engine.py).
 
-The layers are every engine's (layers.py, over N = c rows), with the engine's models' fused
-weights, RoPE tables and windows (static_models.py); this module decides what runs each step,
-the refills and the acceptance. Outputs equal the engine's c = 1
-decoding token for token in float32 (tests/test_families.py, every family). DDTree is not
-batched: evaluate measures it at c = 1 only.
+The layers are every engine's (layers.py, over N = c rows) on the engine's models
+(static_models.py); this module decides what runs each step, the refills and the acceptance.
+Outputs equal the c = 1 engine's token for token in float32 (tests/test_families.py, every
+family). DDTree is not batched: evaluate measures it at c = 1 only.
 """
 
 from __future__ import annotations
@@ -280,15 +275,15 @@ class ConcurrentEngine:
         if T:
             self._join(kind, T, pack)
 
-    def _pack(self, jobs: list[tuple[int, int, list[int]]]) -> tuple[int, np.ndarray, list[int]]:
-        """The jobs' (row, prompt index, tokens) pack (packs.fill_pack): T, the pack, ends."""
-        pack, ends = fill_pack([(r, ids) for r, _, ids in jobs], self.packs, self.rows)
-        return pack.shape[1], pack, ends
+    def _pack(self, jobs: list[tuple[int, int, list[int]]]) -> tuple[np.ndarray, list[int]]:
+        """The jobs' (row, prompt index, tokens) pack (packs.fill_pack) and their ends."""
+        return fill_pack([(r, ids) for r, _, ids in jobs], self.packs, self.rows)
 
     def _stage(self, jobs: list[tuple[int, int, list[int]]]) -> int:
         """The jobs' pack into the static input of its length and their rows into `joins`, for
         the next step to refill (refill "step"); returns the pack length."""
-        T, pack, ends = self._pack(jobs)
+        pack, ends = self._pack(jobs)
+        T = pack.shape[1]
         joins = np.zeros((3, self.rows), dtype=np.int64)
         for (r, _, p), end in zip(jobs, ends, strict=True):
             joins[:, r] = 1, len(p), end
@@ -307,8 +302,8 @@ class ConcurrentEngine:
         steps; each row's anchor (its first new token) and length set. Returns the first tokens
         (the pack's one read-back)."""
         start = clock(self.device)  # the device is idle here: after a read-back or a refill
-        T, pack, ends = self._pack(jobs)
-        last = np.zeros(self.rows, dtype=np.int64)
+        pack, ends = self._pack(jobs)
+        T, last = pack.shape[1], np.zeros(self.rows, dtype=np.int64)
         last[: len(ends)] = ends
         # the graph first: a capture (none where decode prepared them) blanks the inputs
         graph = self._pack_graph(T, taps) if self.engine.graphs else None
@@ -379,11 +374,6 @@ class ConcurrentEngine:
         if not self.engine.graphs:
             return
         self._pool = self._pool or torch.cuda.graph_pool_handle()
-
-        def reset() -> None:
-            self.length.zero_()
-            self.anchor.zero_()
-
         for T in self._lengths():
             if (kind, T) in self._graphs:
                 continue
@@ -392,7 +382,11 @@ class ConcurrentEngine:
             if T:
                 self._pack_input(T).copy_(torch.from_numpy(self._blank(T)))
             run = functools.partial(self.steps[kind], T)
-            self._graphs[kind, T] = capture(run, self.device, self._pool, reset)
+            self._graphs[kind, T] = capture(run, self.device, self._pool, self._reset)
+
+    def _reset(self) -> None:
+        self.length.zero_()
+        self.anchor.zero_()
 
     def _run(self, kind: str, T: int = 0) -> None:
         if self.engine.graphs:
@@ -404,8 +398,7 @@ class ConcurrentEngine:
     def prepare(self, method: str, lookup: Lookups = None) -> None:
         """Compile and capture `method`'s step before any timing (decode does it too)."""
         kind, _ = self._kind(method, lookup)
-        self.length.zero_()
-        self.anchor.zero_()
+        self._reset()
         self.idle.fill_(False)
         self._capture(kind)
         if not self.engine.graphs:

@@ -17,12 +17,10 @@ One step kind per (budget, top-k), captured once as a CUDA graph when the engine
 on the CPU the same step function runs directly. Rows past the accepted count are written too
 (fixed shapes) but lie past T: masked, and overwritten by the next step, as in the DFlash step.
 Every accepted token is the target's own greedy choice after its ancestors, so the output equals
-target-only greedy decoding (up to rounding). An earlier version built the tree on the host from the
-read-back candidates (now the tests' reference, tests/tree_reference.py), with three graphs and
-three syncs per step; on an H200 the one-graph step measured the same speed, so the syncs were not
-what a DDTree step cost: the commit was (a gather and a scatter per layer buffer; with one buffer
-for all layers the step fell from 2.10 to 1.46 target steps at 16 nodes, SmolLM2 shape;
-benchmarks/RESULTS.md, 2026-12-04).
+target-only greedy decoding (up to rounding). The tree is grown, verified, walked and committed in
+one graph with no sync; the commit (a gather and a scatter) moves all layers at once through the one
+K/V buffer: 1.46 target steps at 16 nodes on SmolLM2's shape, where one buffer per layer took 2.10
+(benchmarks/RESULTS.md, 2026-12-04).
 
 The engine does not know this module: importing it registers the "ddtree" step family
 (`Engine.register_steps`), which `Engine.ddtree` and the runner use.

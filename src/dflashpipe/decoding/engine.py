@@ -32,10 +32,7 @@ on first use (`family(name)`), and they add their step kinds with `add_step` and
 `capture`, `run` and `speculate`. The engine imports no plug-in and reads none of its state.
 
 Outputs equal `eager.greedy_decode` / `eager.speculative_decode(..., DFlashProposer)` up to
-rounding (tests check it token for token in float32): the target (static_models.py) is the HF
-model's own modules and weights, run with its own attention over a static (1, n_kv, max_len, D)
-cache per layer, and the drafter's context keys/values are projected once per accepted row
-instead of every step.
+rounding (tests check it token for token in float32); the models are static_models.py's.
 """
 
 from __future__ import annotations
@@ -68,8 +65,8 @@ class Engine:
     drafter (`dflash`) or with DDTree draft trees (`ddtree`), each step one fixed-shape function over the static state below, replayed
     as a CUDA graph when `graphs` (default: on for CUDA). max_len bounds prompt + new tokens +
     one block of slack; build one engine per (target, drafter, max_len) and reuse it. The
-    models' q/k/v and gate/up weights become views of fused ones (static_models.fuse_layer):
-    save them before, and build a new engine after a `.float()` or `.to()`. Step families of
+    models' q/k/v and gate/up weights become views of fused ones (families.fuse_layer): save
+    them before, and build a new engine after a `.float()` or `.to()`. Step families of
     plug-ins (DDTree) join through `register_steps` (module docstring)."""
 
     # name -> make(engine): the plug-in step families every engine can use (register_steps)
@@ -184,12 +181,9 @@ class Engine:
             return
         for kind in kinds:
             if kind not in self._graphs:
-                self._graphs[kind] = self._record(self.steps[kind])
+                self._pool = self._pool or torch.cuda.graph_pool_handle()
+                self._graphs[kind] = capture(self.steps[kind], self.device, self._pool, self._reset)
                 self.captures[kind] += 1
-
-    def _record(self, step: Callable[[], None]) -> torch.cuda.CUDAGraph:
-        self._pool = self._pool or torch.cuda.graph_pool_handle()
-        return capture(step, self.device, self._pool, self._reset)
 
     def _check_fit(
         self, prompt_length: int, max_new_tokens: int, slack: int, what: str = "block_size"

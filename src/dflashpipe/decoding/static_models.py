@@ -15,14 +15,10 @@
 
 The layers are layers.py's, the same for every engine; tests check both models against the HF
 forward and the eager DFlashProposer in float32. Only step-time values live on the device: no
-host sync inside. Compilation (`compile=True`, the engine's default on CUDA): the layer function
-is compiled whole for fixed shapes, one graph per step shape shared by every layer (weights are
-arguments; a sliding and a full layer differ only in the mask and RoPE rows they are given), and
-so is the glue around the layers (inputs, outputs, drafts), which would otherwise be a few dozen
-small kernels per step, each its own launch inside the step's graph. A prefill passes
-`eager=True` and runs them uncompiled, since its length changes per prompt. A faster target step
-is also the honest baseline: speculative methods look better against a target step padded with
-launches they amortize.
+host sync inside. Where the engine compiles (its default on CUDA), each layer function and the
+glue around the layers are compiled for fixed shapes (`compiled`); a prefill runs them eager,
+since its length changes per prompt. A faster target step is also the honest baseline:
+speculative methods look better against a target step padded with launches they amortize.
 """
 
 from __future__ import annotations
