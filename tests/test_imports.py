@@ -94,6 +94,23 @@ def test_decoding_never_imports_a_stage():
     assert not bad, f"decoding modules import stage modules: {bad}"
 
 
+# The three engines are schedulers over one layer set (decoding/layers.py): none runs another's
+# code. The concurrent engine names the c = 1 Engine as a type only (its rows run that engine's
+# models), under TYPE_CHECKING; the batched engine's token step is its own.
+ENGINES = {"engine": set(), "concurrent": {"engine"}, "batched": {"batched_step"}}
+
+
+def test_no_engine_imports_a_sibling_engine():
+    graph = import_graph(SRC)
+    siblings = {f"{PACKAGE}.decoding.{m}" for m in [*ENGINES, "batched_step", "ddtree"]}
+    for name, allowed in ENGINES.items():
+        module = f"{PACKAGE}.decoding.{name}"
+        ok = {f"{PACKAGE}.decoding.{m}" for m in allowed}
+        assert graph[module] & siblings <= ok, (module, sorted(graph[module] & siblings - ok))
+    concurrent = (SRC / "decoding" / "concurrent.py").read_text()
+    assert "if TYPE_CHECKING:" in concurrent.split("from dflashpipe.decoding.engine import")[0]
+
+
 def test_the_checks_see_every_kind_of_import(tmp_path):
     """The graph and the cycle search on a package written here: relative and absolute imports,
     in functions and under TYPE_CHECKING, all count, and a cycle is found and named."""

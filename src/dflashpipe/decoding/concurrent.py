@@ -40,13 +40,14 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from dflashpipe.decoding.engine import Engine, accept_chain
 from dflashpipe.decoding.layers import (
+    accept_chain,
     chain_drafts,
     context_rows,
     decoder_layer,
@@ -61,6 +62,9 @@ from dflashpipe.decoding.memory import MEMORY_SHARE, free_memory
 from dflashpipe.decoding.packs import default_pack, fill_pack, pack_lengths
 from dflashpipe.decoding.static_models import capture, compiled
 from dflashpipe.decoding.types import Decoded, clock, finish
+
+if TYPE_CHECKING:  # the c = 1 engine whose models the rows run on; no code of it runs here
+    from dflashpipe.decoding.engine import Engine
 
 # prompt lookup's setting: one for every prompt, or one per prompt (evaluate: each source's best)
 Lookups = LookupConfig | Sequence[LookupConfig] | None

@@ -26,10 +26,7 @@ exception: they are copied in). On CUDA each step kind is captured once as a
 CUDA graph over static buffers and replayed; the host reads back one small tensor per step (the
 decision to stop needs it). On the CPU the same step functions run directly.
 
-Plug-ins: a module with steps of its own (ddtree.py) registers a step family with
-`Engine.register_steps(name, make)` when imported; an engine makes the family's steps and buffers
-on first use (`family(name)`), and they add their step kinds with `add_step` and decode through
-`capture`, `run` and `speculate`. The engine imports no plug-in and reads none of its state.
+Plug-ins (ddtree.py) register a step family (`Engine.register_steps`); the engine imports none.
 
 Outputs equal `eager.greedy_decode` / `eager.speculative_decode(..., DFlashProposer)` up to
 rounding (tests check it token for token in float32); the models are static_models.py's.
@@ -45,6 +42,7 @@ import torch
 from torch import nn
 
 from dflashpipe.decoding.families import check_target
+from dflashpipe.decoding.layers import accept_chain
 from dflashpipe.decoding.static_models import (
     StaticDrafter,
     StaticTarget,
@@ -326,27 +324,6 @@ class Engine:
         drafter's top_k candidates per slot, verified in one target forward. The "ddtree" step
         family does it (ddtree.py registers it; import that module first)."""
         return self.family("ddtree").decode(prompt_ids, max_new_tokens, stop_ids, budget, top_k)
-
-
-def accept_chain(
-    logits: torch.Tensor, drafts: torch.Tensor, count: torch.Tensor | None, anchor: torch.Tensor,
-    packed: torch.Tensor, length: torch.Tensor,
-) -> None:  # fmt: skip
-    """Accept each row's verified chain, on the device (N = 1 row at c = 1, c rows in the
-    concurrent engine): the target's greedy tokens g (N, Q) from its logits (N, Q, V) of
-    [anchor_r, d_r1..d_r,Q-1] (g_ri is its token after slot i); n_r = row r's matched prefix of
-    drafts (N, Q-1) (only its first count_r can match, None: all; a greedy step has none);
-    anchor = g_{r, n_r}, packed = [n_r+1, g_r0..g_r,Q-1] (N, Q+1) (the step's read-back),
-    length += n+1."""
-    greedy = logits.argmax(-1)  # (N, Q)
-    match = drafts == greedy[:, :-1]  # (N, Q-1)
-    if count is not None:  # pads never match
-        match &= torch.arange(drafts.shape[1], device=drafts.device) < count[:, None]
-    n = match.long().cumprod(1).sum(1)  # (N,)
-    anchor.copy_(greedy.gather(1, n[:, None])[:, 0])  # a gather: no host sync on n
-    packed[:, :1].copy_(n[:, None] + 1)
-    packed[:, 1:].copy_(greedy)
-    length.add_(n + 1)
 
 
 def _check_pair(model: nn.Module, drafter: Drafter) -> None:

@@ -294,3 +294,24 @@ def tree_candidates(drafter: Drafter, x: Tensor, k: int) -> tuple[Tensor, Tensor
     """Per slot 1..B-1 of one block's rows x (B, H) the k most likely tokens: float32
     log-probabilities and ids (B-1, k)."""
     return draft_candidates(drafter.lm_head(drafter.norm(x)[1:]), k)
+
+
+def accept_chain(
+    logits: Tensor, drafts: Tensor, count: Tensor | None, anchor: Tensor,
+    packed: Tensor, length: Tensor,
+) -> None:  # fmt: skip
+    """Accept each row's verified chain, on the device (N = 1 row at c = 1, c rows in the
+    concurrent engine): the target's greedy tokens g (N, Q) from its logits (N, Q, V) of
+    [anchor_r, d_r1..d_r,Q-1] (g_ri is its token after slot i); n_r = row r's matched prefix of
+    drafts (N, Q-1) (only its first count_r can match, None: all; a greedy step has none);
+    anchor = g_{r, n_r}, packed = [n_r+1, g_r0..g_r,Q-1] (N, Q+1) (the step's read-back),
+    length += n+1."""
+    greedy = logits.argmax(-1)  # (N, Q)
+    match = drafts == greedy[:, :-1]  # (N, Q-1)
+    if count is not None:  # pads never match
+        match &= torch.arange(drafts.shape[1], device=drafts.device) < count[:, None]
+    n = match.long().cumprod(1).sum(1)  # (N,)
+    anchor.copy_(greedy.gather(1, n[:, None])[:, 0])  # a gather: no host sync on n
+    packed[:, :1].copy_(n[:, None] + 1)
+    packed[:, 1:].copy_(greedy)
+    length.add_(n + 1)
