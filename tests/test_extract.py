@@ -144,6 +144,66 @@ def test_topk_soft_targets_are_the_targets_next_token_distribution(
         assert (row["hidden"].float() - tap.float()).norm() <= 0.01 * tap.float().norm()
 
 
+@pytest.mark.parametrize("codec", ["bf16-zstd", "fp8-zstd"])
+def test_final_hidden_is_the_targets_normed_last_state_and_gives_its_distribution(
+    tiny_target_dir, sequences, tmp_path, codec
+):
+    """extract.final_hidden with only layer 0 tapped: every layer and the final norm run, the
+    shard's rows end with the base model's output (after its last norm) as one more block,
+    through the codec; the manifest records it. The KL from those stored states, through the
+    head in loss.py's chunk kernel, equals a float64 reference from the target's own logits
+    (bf16-zstd: the states' bf16 rounding apart; fp8-zstd: its 8-bit error apart)."""
+    from dflashpipe.loss import block_labels, block_target_hidden, dflash_loss
+
+    raw = _raw(tiny_target_dir, tmp_path, final_hidden=True, codec=codec)
+    raw["drafter"]["target_layer_ids"] = [0]
+    cfg = Config.from_dict(raw)
+    out = tmp_path / "shard-00000.arrow"
+    run(cfg, ExtractPaths(str(sequences), 0, str(out)))
+    shard = FeatureShard(out)
+    assert shard.info.final_hidden and shard.info.blocks == 2 and shard.info.topk == 0
+    manifest = build_manifest([out])
+    assert manifest["final_hidden"] is True
+    verify_shard(out, manifest)
+    with pytest.raises(DataError, match="final_hidden True differs from the manifest's False"):
+        verify_shard(out, {k: v for k, v in manifest.items() if k != "final_hidden"})
+    model, _ = load_target(cfg.target, torch.device("cpu"))
+    model = model.double()
+    head = model.get_output_embeddings().weight.detach()  # (V, H) float64
+    H = shard.info.hidden_size
+    tol = 0.01 if codec == "bf16-zstd" else 0.07
+    g = torch.Generator().manual_seed(0)
+    for row in list(shard)[::4]:
+        ids = row["input_ids"].long()
+        T = len(ids)
+        with torch.no_grad():
+            out_ = model(ids[None], output_hidden_states=True)
+        last = out_.hidden_states[-1][0]  # (T, H) after the final norm
+        stored = row["hidden"][:, -H:].double()
+        assert row["hidden"].shape == (T, 2 * H)
+        assert (stored - last).norm() <= tol * last.norm()
+        logits = out_.logits[0]  # (T, V) float64, the target's own
+        torch.testing.assert_close(last @ head.T, logits)  # the head is what the drafter holds
+        # the loss: a drafter's random outputs against the stored states' distribution
+        B = 4
+        anchors = torch.arange(1, T - B, 3)
+        labels, valid = block_labels(ids, torch.zeros(T, dtype=torch.long), torch.ones(T),
+                                     anchors, torch.ones(len(anchors), dtype=torch.bool), B)  # fmt: skip
+        drafter = torch.randn(len(anchors), B, H, generator=g, dtype=torch.float64) * 0.1
+        target = block_target_hidden(stored.float(), anchors, B)
+        loss, _ = dflash_loss(drafter.float(), head.float(), labels, valid, 4.0, chunk_rows=7,
+                              distill_weight=1.0, target_hidden=target)  # fmt: skip
+        at = (anchors[:, None] - 1 + torch.arange(B)).clamp(0, T - 1)  # (A, B) predicting rows
+        log_p = logits[at].log_softmax(-1)  # (A, B, V) float64 from the target's logits
+        log_q = (drafter @ head.T).log_softmax(-1)
+        kl = (log_p.exp() * (log_p - log_q)).sum(-1)  # (A, B)
+        w = torch.exp(-(torch.arange(B) - 1) / 4.0) * valid  # decay weights, slot 0 out
+        ref = (w * kl).sum() / w.sum()
+        assert abs(loss.item() - ref.item()) <= 5 * tol * ref.item(), (loss.item(), ref.item())
+        if codec == "bf16-zstd":
+            assert abs(loss.item() - ref.item()) <= 1e-3 * ref.item()
+
+
 def test_manifest_records_topk_and_refuses_mixed_shards(tiny_topk_features, tiny_features):
     shards = tiny_topk_features["shards"]
     m = json.loads(tiny_topk_features["manifest"].read_text())
@@ -157,7 +217,7 @@ def test_manifest_records_topk_and_refuses_mixed_shards(tiny_topk_features, tiny
         verify_shard(shards[0], {**m, "topk": 0})
     assert build_manifest(tiny_features["shards"])["topk"] == 0
     # the same layers, codec and target; only the soft targets differ
-    with pytest.raises(DataError, match="codec/group size/layers/hidden size/target/topk differ"):
+    with pytest.raises(DataError, match="layers/hidden size/target/topk/final_hidden differ"):
         build_manifest([shards[0], tiny_features["shards"][1]])
 
 

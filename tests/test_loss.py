@@ -193,7 +193,7 @@ def test_distillation_loss_and_gradient_equal_the_dense_reference(distill_weight
     torch.testing.assert_close(grad.double(), ref_grad, atol=1e-6, rtol=1e-4)
     hard, _ = dflash_loss(hidden.detach(), weight, labels, valid, 4.0)
     assert abs(loss.item() - hard.item()) > 1e-3  # the soft term is really in the loss
-    with pytest.raises(ValueError, match="needs the soft targets"):
+    with pytest.raises(ValueError, match="needs the target.s distribution"):
         dflash_loss(hidden, weight, labels, valid, 4.0, distill_weight=distill_weight)
 
 
@@ -467,7 +467,7 @@ def test_greedy_labels_hand_made():
         ({"weighting": "dpace", "dpace_mix": 1.5}, "dpace_mix 1.5"),
         ({"weighting": "dpace", "dpace_mix": float("nan")}, "dpace_mix nan"),
         ({"dpace_mix": 0.3}, "dpace_mix 0.3 needs weighting 'dpace'"),
-        ({"weighting": "dpace", "distill_weight": 0.5}, "distill_weight 0.5 needs the soft"),
+        ({"weighting": "dpace", "distill_weight": 0.5}, "distill_weight 0.5 needs the target's"),
         ({"objective": "expected_length", "weighting": "dpace"}, "weighting"),
         ({"objective": "expected_length", "distill_weight": 0.5}, "distill_weight"),
         ({"objective": "expected_length", "rank_weight": 0.5}, "rank_weight"),
@@ -478,3 +478,90 @@ def test_bad_arguments_are_refused_naming_them(kwargs, named):
     labels, valid = torch.zeros(2, 4, dtype=torch.long), torch.ones(2, 4, dtype=torch.bool)
     with pytest.raises(ValueError, match=re.escape(named)):
         dflash_loss(hidden, weight, labels, valid, 4.0, **kwargs)
+
+
+# The target's whole distribution from its final hidden states (extract.final_hidden): its logits
+# made from the head inside the chunk kernel, never for the whole batch.
+
+
+def dense_full_slots(hidden, weight, labels, valid, target_hidden, d, T, cap=None):
+    """Per valid slot: (1 - d) CE + d T^2 KL(p_T || q_T), p the target's whole distribution from
+    float64 logits of its final hidden state (tanh-capped at `cap`), and its acceptance
+    sum_v min(p, q) at temperature 1 (detached)."""
+    A, B, _ = hidden.shape
+    loss, accept = {}, {}
+    W = weight.double()
+    for i in range(A):
+        for j in range(1, B):
+            if not valid[i, j]:
+                continue
+            z = hidden[i, j].double() @ W.T  # (V,)
+            zt = target_hidden[i, j].double() @ W.T  # (V,) the target's logits
+            if cap:
+                zt = torch.tanh(zt / cap) * cap
+            ce = -torch.log_softmax(z, -1)[labels[i, j]]
+            log_p_t = torch.log_softmax(zt / T, -1)
+            kl = (log_p_t.exp() * (log_p_t - torch.log_softmax(z / T, -1))).sum()
+            loss[i, j] = (1 - d) * ce + d * T * T * kl
+            accept[i, j] = float(torch.minimum(zt.softmax(-1), z.detach().softmax(-1)).sum())
+    return loss, accept
+
+
+@pytest.mark.parametrize(
+    ("d", "T", "weighting", "cap", "chunk_rows"),
+    [(1.0, 1.0, "decay", None, 5), (0.4, 2.0, "dpace", None, 4096), (1.0, 0.5, "decay", 3.0, 3)],
+)
+def test_full_distribution_kl_equals_the_dense_reference(d, T, weighting, cap, chunk_rows):
+    """The KL against the target's whole distribution (its final hidden states through the
+    frozen head, chunked with the drafter's rows): loss and gradient equal a float64 loop over
+    every slot and the whole vocabulary; D-PACE's acceptance is sum min(p, q) over it."""
+    hidden, weight, labels, valid, _ = random_blocks(7)
+    A, B, H = hidden.shape
+    target = torch.randn(A, B, H, generator=torch.Generator().manual_seed(70))
+    loss, _ = dflash_loss(hidden, weight, labels, valid, 4.0, chunk_rows=chunk_rows,
+                          distill_weight=d, kl_temperature=T, weighting=weighting,
+                          target_hidden=target, target_softcap=cap)  # fmt: skip
+    (grad,) = torch.autograd.grad(loss, hidden)
+
+    ref_hidden = hidden.detach().double().requires_grad_()
+    slots, accept = dense_full_slots(ref_hidden, weight, labels, valid, target, d, T, cap)
+    if weighting == "dpace":
+        w = dpace_by_loops(accept, A, B, 0.5)
+    else:
+        w = {(i, j): math.exp(-(j - 1) / 4.0) for i, j in slots}
+    ref = sum(w[s] * slots[s] for s in slots) / sum(w[s] for s in slots)
+    (ref_grad,) = torch.autograd.grad(ref, ref_hidden)
+    torch.testing.assert_close(loss.double(), ref.detach(), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(grad.double(), ref_grad, atol=1e-6, rtol=1e-4)
+    hard, _ = dflash_loss(hidden.detach(), weight, labels, valid, 4.0)
+    assert abs(loss.item() - hard.item()) > 1e-3  # the KL is really in the loss
+
+
+def test_target_argmax_and_block_rows_come_from_the_predicting_position():
+    """Slot j's label x_{a+j} was predicted at a+j-1: block_target_hidden takes that row of the
+    stream's final hidden states, target_argmax the head's argmax over it (chunked), and greedy
+    labels from it equal those from extract's top-1 of the same logits."""
+    from dflashpipe.loss import block_target_hidden, greedy_labels, target_argmax
+
+    g = torch.Generator().manual_seed(8)
+    T, H, V, B = 12, 6, 20, 4
+    final = torch.randn(T, H, generator=g)
+    weight = torch.randn(V, H, generator=g)
+    anchors = torch.tensor([0, 3, 10])
+    rows = block_target_hidden(final, anchors, B)  # (3, 4, H)
+    assert torch.equal(rows[1, 2], final[4]) and torch.equal(rows[0, 0], final[0])  # clamped
+    assert torch.equal(rows[2, 3], final[T - 1])  # past the stream: clamped (invalid slots)
+    top = target_argmax(rows, weight, chunk_rows=5)
+    assert torch.equal(top, (rows @ weight.T).argmax(-1))
+    topk_ids = (final @ weight.T).topk(3, -1).indices.int()  # (T, 3) as extract stores them
+    topk_lp = torch.zeros(T, 3, dtype=torch.float16)
+    ids = torch.randint(0, V, (T,), generator=g)
+    labels, valid = block_labels(ids, torch.zeros(T, dtype=torch.long), torch.ones(T), anchors,
+                                 torch.ones(3, dtype=torch.bool), B)  # fmt: skip
+    from_topk = greedy_labels(labels, valid, block_soft_targets(topk_ids, topk_lp, anchors, B)[0])
+    from_final = greedy_labels(labels, valid, top[..., None])
+    assert all(torch.equal(a, b) for a, b in zip(from_topk, from_final, strict=True))
+    with pytest.raises(ValueError, match="pass one"):
+        dflash_loss(torch.randn(3, B, H), weight, labels, valid, 4.0, distill_weight=1.0,
+                    soft=(topk_ids[:3, None].expand(3, B, 3), topk_lp[:3, None].expand(3, B, 3)),
+                    target_hidden=rows)  # fmt: skip

@@ -39,6 +39,7 @@ OTHER = {
     "extract.encode_workers": 3,
     # a group size only with the codec that has groups
     "extract.group_size": {"extract.codec": "fp4-zstd", "extract.group_size": 16},
+    "extract.final_hidden": True,
     "drafter.target_layer_ids": [0, 1],
     "drafter.mask_token_id": 5,
     "drafter.sliding_window": {"drafter.sliding_window": 64, "drafter.num_layers": 2},
@@ -49,6 +50,17 @@ OTHER = {
     "train.max_steps": 10,
     "train.gamma": 5.0,
     "train.answers_per_prompt": 1,
+    # train.loss has no default (unset stays out of train's digest): each key set to a value
+    # other than its own default, with the partner keys it needs to stay valid
+    "train.loss.objective": {"train.loss.objective": "expected_length"},
+    "train.loss.weighting": {"train.loss.weighting": "dpace"},
+    "train.loss.dpace_mix": {"train.loss.weighting": "dpace", "train.loss.dpace_mix": 0.25},
+    "train.loss.kl_temperature": {
+        "train.loss.objective": "forward_kl",
+        "train.loss.kl_temperature": 2.0,
+        "extract.final_hidden": True,
+    },  # fmt: skip
+    "train.loss.labels": {"train.loss.labels": "greedy", "extract.topk": 4},
     "evaluate.methods": ["target", "dflash"],
     "evaluate.tree_nodes": [8],
     "devices.extract": [0],
@@ -66,6 +78,7 @@ EXPECTED = {
     "extract.codec": DOWN_FROM["extract"],
     "extract.topk": DOWN_FROM["extract"],
     "extract.group_size": DOWN_FROM["extract"],
+    "extract.final_hidden": DOWN_FROM["extract"],
     "extract.max_length": DOWN_FROM["regenerate"],  # the answers' room
     "extract.encode_workers": set(),
     "extract.direct_io": set(),
@@ -76,6 +89,9 @@ EXPECTED = {
     "train.lr": DOWN_FROM["train"],
     "train.epochs": DOWN_FROM["train"],
     "train.seed": DOWN_FROM["train"],
+    "train.loss.objective": DOWN_FROM["train"],
+    "train.loss.weighting": DOWN_FROM["train"],
+    "train.loss.dpace_mix": DOWN_FROM["train"],
     "devices.extract": set(),
     "devices.train": set(),
     "prompts.max_train": {"prompts", *DOWN_FROM["regenerate"]},
@@ -171,10 +187,30 @@ def test_a_group_size_edit_reruns_extract_and_nothing_upstream(base):
         assert direct == {"extract"}
 
 
+def test_unset_loss_and_final_hidden_keep_finished_runs_current(base):
+    """Issue 62's keys have no schema default at their top (train.loss, extract.final_hidden):
+    unset, they stay out of every digest, so a run finished before they existed stays current;
+    the section set, its keys' defaults enter train's digest and resume fingerprint."""
+    assert "loss" not in base.raw["train"] and "final_hidden" not in base.raw["extract"]
+    assert base.train.loss.objective == "cross_entropy" and not base.extract.final_hidden
+    explicit = Config.from_dict(_edited(base.raw, {"train.loss": {}}))
+    assert explicit.raw["train"]["loss"] == {"objective": "cross_entropy", "weighting": "decay",
+                                             "dpace_mix": 0.5, "kl_temperature": 1.0,
+                                             "labels": "sampled"}  # fmt: skip
+    changed = {s for s in stages.STAGES if stages.digest(base, s) != stages.digest(explicit, s)}
+    assert changed == {"train"}
+    off = Config.from_dict(_edited(base.raw, {"extract.final_hidden": False}))
+    assert {s for s in stages.STAGES if stages.digest(base, s) != stages.digest(off, s)} == {
+        "extract"
+    }
+
+
 def test_resume_fingerprint_covers_what_train_reads_but_the_safe_keys():
     keys = set(stages.fingerprint_keys("train"))
     for key in ("train.lr", "train.betas", "train.seed", "train.warmup_ratio", "train.grad_clip",
-                "train.gamma", "train.num_anchors", "drafter.block_size", "target.model"):  # fmt: skip
+                "train.gamma", "train.num_anchors", "drafter.block_size", "target.model",
+                *(f"train.loss.{k}" for k in ("objective", "weighting", "dpace_mix",
+                                              "kl_temperature", "labels"))):  # fmt: skip
         assert key in keys, key
     for key in ("train.epochs", "train.max_steps", "train.log_every", "train.checkpoint_every",
                 "train.keep_checkpoints", "devices.train", "extract.codec"):  # fmt: skip

@@ -1,6 +1,7 @@
 """The train stage on CPU through torchrun (gloo): export, resume after a kill, refusals."""
 
 import json
+import math
 import re
 import subprocess
 import sys
@@ -684,3 +685,147 @@ def test_drafter_sliding_window_is_trained_and_exported(tmp_path, tiny_features)
     cfg = json.loads((out / "drafter" / "config.json").read_text())
     assert cfg["layer_types"] == ["sliding_attention", "full_attention"]
     assert (cfg["sliding_window"], cfg["use_sliding_window"]) == (16, True)
+
+
+# Issue 62: train.loss's objectives, D-PACE weights and greedy labels, and the target's whole
+# distribution from the final hidden states extract stores (extract.final_hidden).
+
+
+@pytest.fixture(scope="module")
+def final_features(tiny_features, tmp_path_factory) -> dict:
+    """tiny_features' sequences extracted again with the target's final hidden states
+    (extract.final_hidden): two shards + manifest, and the config dict that made them."""
+    from conftest import shared_dir
+
+    raw = json.loads(json.dumps(tiny_features["raw"]))
+    raw["extract"]["final_hidden"] = True
+
+    def build(out: Path) -> None:
+        from dflashpipe.extract import ExtractPaths
+        from dflashpipe.extract import run as extract
+        from dflashpipe.shards import build_manifest
+        from dflashpipe.storage import write_json
+
+        cfg = Config.from_dict(raw)
+        for i in range(2):
+            seq = tiny_features["dir"] / f"seq-{i}.parquet"
+            extract(cfg, ExtractPaths(str(seq), i, str(out / f"shard-{i:05d}.arrow")))
+        write_json(out / "manifest.json", build_manifest(sorted(out.glob("shard-*.arrow"))))
+
+    out = shared_dir(tmp_path_factory, "final-features", build)
+    return {"dir": out, "manifest": out / "manifest.json", "raw": raw}
+
+
+def _first_batch(trainer: Trainer) -> dict:
+    from dflashpipe.data import PackedBatches, epoch_plan, to_device
+
+    plan = epoch_plan(trainer.samples, trainer.tokens, 0, 0, 0, 1)
+    batch = PackedBatches(trainer.shards, trainer.samples, plan, trainer.tokens, 16, 0, 0,
+                          trainer.topk)[0]  # fmt: skip
+    return to_device(batch, torch.device("cpu"), trainer.final_width)
+
+
+def test_default_loss_is_the_old_decay_cross_entropy(tmp_path, tiny_features, final_features):
+    """Unset train.loss (and its keys at their defaults): the loss of a batch is bit for bit the
+    call made before issue 62 (dflash_loss's decay cross-entropy with no new keyword), and equals
+    a float64 decay-weighted cross-entropy; features that also hold the final hidden states
+    train the same drafter inputs (the final block is split off before fc)."""
+    from dflashpipe.loss import block_labels, dflash_loss
+    from dflashpipe.train import forward_loss
+
+    cfg = Config.from_dict(tiny_features["raw"])
+    assert cfg.train.loss.objective == "cross_entropy" and "loss" not in cfg.raw["train"]
+    t = Trainer(cfg, tiny_features["manifest"], tmp_path / "a", torch.device("cpu"))
+    b = _first_batch(t)
+    with torch.no_grad():
+        new, metrics = forward_loss(t.model, t.head, b, 8, t.gamma, loss=cfg.train.loss)
+        out = t.model(b["input_ids"], b["target_hidden"], b["position_ids"], b["document_ids"],
+                      b["anchors"], b["keep"])  # fmt: skip
+        labels, valid = block_labels(b["input_ids"], b["document_ids"], b["loss_mask"],
+                                     b["anchors"], b["keep"], 8)  # fmt: skip
+        old, _ = dflash_loss(out, t.head, labels, valid, t.gamma)
+    assert torch.equal(new, old)
+    logp = (out.double() @ t.head.double().T).log_softmax(-1)  # (A, B, V)
+    ce = -logp.gather(2, labels[..., None])[..., 0]
+    w = torch.exp(-(torch.arange(8) - 1) / t.gamma).double() * valid
+    assert new.item() == pytest.approx(((w * ce).sum() / w.sum()).item(), rel=1e-5)
+
+    raw = json.loads(json.dumps(final_features["raw"]))
+    both = Trainer(Config.from_dict(raw), final_features["manifest"], tmp_path / "b",
+                   torch.device("cpu"))  # fmt: skip
+    fb = _first_batch(both)
+    assert both.final_width == 64 and fb["target_final"].shape == (both.tokens, 64)
+    assert torch.equal(fb["target_hidden"], b["target_hidden"])  # same taps, same bytes
+    both.drafter.load_state_dict(t.drafter.state_dict())
+    with torch.no_grad():
+        same, _ = forward_loss(both.model, both.head, fb, 8, both.gamma, loss=both.tc.loss)
+    assert torch.equal(same, new)
+
+
+# train.loss, the features trained on, and the target's distribution read from them (None: the
+# loss needs none)
+CELLS = {
+    "dpace": ({"weighting": "dpace", "dpace_mix": 0.25}, "final", None),
+    "forward_kl": ({"objective": "forward_kl", "kl_temperature": 2.0}, "final", "final"),
+    "forward_kl_topk": ({"objective": "forward_kl", "weighting": "dpace"}, "topk", "topk"),
+    "expected_length": ({"objective": "expected_length"}, "final", None),
+    "greedy": ({"labels": "greedy"}, "final", "final"),
+}
+
+
+@pytest.mark.parametrize("cell", list(CELLS))
+def test_each_objective_trains_and_its_loss_falls(
+    cell, tmp_path, final_features, tiny_topk_features
+):
+    """Each train.loss choice trains in the stage's own process for 12 steps: every logged loss
+    is finite and the last ones are below the first (expected length: more negative)."""
+    loss, made, source = CELLS[cell]
+    features = final_features if made == "final" else tiny_topk_features
+    raw = json.loads(json.dumps(features["raw"]))
+    raw["train"].update(loss=loss, max_steps=12, log_every=2, lr=3e-3)
+    cfg = Config.from_dict(raw)
+    trainer = Trainer(cfg, features["manifest"], tmp_path / "run", torch.device("cpu"))
+    assert trainer.source.final == (source == "final") and bool(trainer.topk) == (source == "topk")
+    trainer.train()
+    losses = [r["loss"] for r in _rows(tmp_path / "run" / "metrics.jsonl")]
+    assert len(losses) == 6 and all(math.isfinite(x) for x in losses), losses
+    assert sum(losses[-2:]) < sum(losses[:2]), losses
+
+
+def test_greedy_labels_follow_the_targets_argmax_from_either_source(
+    tmp_path, final_features, tiny_topk_features
+):
+    """labels greedy on a real batch: each kept slot is labelled with the target's argmax (its
+    top-1 from extract.topk, or its head over the stored final hidden states: the same tokens
+    but for near-ties moved by the states' bf16 rounding), every block keeps a prefix of its
+    valid slots that ends at its first label that leaves the answer, and slots after it drop."""
+    from dflashpipe.loss import block_labels, block_soft_targets, greedy_labels, target_argmax
+
+    def greedy(features):
+        raw = json.loads(json.dumps(features["raw"]))
+        raw["train"]["loss"] = {"labels": "greedy"}
+        t = Trainer(
+            Config.from_dict(raw), features["manifest"], tmp_path / "g", torch.device("cpu")
+        )
+        b = _first_batch(t)
+        labels, valid = block_labels(b["input_ids"], b["document_ids"], b["loss_mask"],
+                                     b["anchors"], b["keep"], 8)  # fmt: skip
+        if t.source.final:
+            from dflashpipe.loss import block_target_hidden
+
+            top = target_argmax(block_target_hidden(b["target_final"], b["anchors"], 8), t.head)
+        else:
+            top = block_soft_targets(b["topk_ids"], b["topk_logprobs"], b["anchors"], 8)[0][..., 0]
+        return labels, valid, top.long(), greedy_labels(labels, valid, top[..., None])
+
+    labels, valid, top, (got, keep) = greedy(tiny_topk_features)
+    assert keep.sum() < valid.sum()  # a random target parts from the answers: slots drop
+    for a in range(len(labels)):
+        slots = valid[a].nonzero()[:, 0].tolist()
+        parts = [j for j in slots if top[a, j] != labels[a, j]]
+        want = [j for j in slots if not parts or j <= parts[0]]
+        assert keep[a].nonzero()[:, 0].tolist() == want
+        assert all(got[a, j] == top[a, j] for j in want)
+    _, _, top_final, (got_final, keep_final) = greedy(final_features)
+    agree = (top_final == top)[valid].float().mean()
+    assert agree > 0.95, agree

@@ -149,7 +149,7 @@ def section(*path: str) -> Callable[[type], type]:
     own default and are not checked. Cross-key checks stay in the class's `check()`."""
     part = reduce(lambda d, k: d[k], path, _schema())
     props = part.get("properties", {})
-    where = path[-1] if path[0] == "properties" else "prompts.sources[]"
+    where = ".".join(path[1::2]) if path[0] == "properties" else "prompts.sources[]"
 
     def wrap(cls: type) -> type:
         for name in cls.__annotations__:
@@ -364,6 +364,9 @@ class ExtractConfig:
     topk: int  # 0: no soft targets; k: the target's top-k next-token log-probs per position
     # No schema default (unset stays out of extract's digest); None: fp4-zstd's 32
     group_size: int | None = None
+    # No schema default (unset stays out of extract's digest): the target's normed last hidden
+    # state stored beside the taps, for its whole distribution at train time; unset: off
+    final_hidden: bool = False
 
     def check(self) -> None:
         if self.group_size is not None and self.codec != "fp4-zstd":
@@ -386,6 +389,45 @@ class DrafterShape:
     mask_token_id: int | None
     sliding_window: int | None
     init: str
+
+
+@section("properties", "train", "properties", "loss")
+class LossConfig:
+    """train.loss: the objective (loss.dflash_loss's terms); keys, defaults and their meaning:
+    the schema's `train.loss`. Unset, every key takes its default: today's decay cross-entropy."""
+
+    objective: str  # cross_entropy | forward_kl | expected_length
+    weighting: str  # decay | dpace
+    dpace_mix: float
+    kl_temperature: float
+    labels: str  # sampled | greedy
+
+    def check(self) -> None:
+        # A setting that would silently do nothing is someone's mistake: refused, naming it.
+        if self.dpace_mix != DEFAULT_DPACE_MIX and self.weighting != "dpace":
+            raise ConfigError(
+                f"train.loss.dpace_mix is {self.dpace_mix} with train.loss.weighting "
+                f"{self.weighting!r}: the mixing factor is D-PACE's; set weighting to dpace, or "
+                "leave dpace_mix out"
+            )
+        if self.objective == "expected_length" and self.weighting != "decay":
+            raise ConfigError(
+                f"train.loss.weighting is {self.weighting!r} with train.loss.objective "
+                "expected_length, which weighs its slots itself (each by the expected length "
+                "that depends on it); leave weighting decay"
+            )
+
+    def needs_target(self, distill_weight: float = 0.0) -> list[str]:
+        """The settings that need the target's distribution (train.distill_weight's among them),
+        as messages name them; empty where cross-entropy on the answer's tokens is all."""
+        keys = [f"train.loss.objective {self.objective}"] * (self.objective == "forward_kl")
+        keys += [f"train.loss.labels {self.labels}"] * (self.labels == "greedy")
+        return keys + [f"train.distill_weight {distill_weight}"] * (distill_weight > 0)
+
+
+DEFAULT_DPACE_MIX = _schema()["properties"]["train"]["properties"]["loss"]["properties"][
+    "dpace_mix"
+]["default"]
 
 
 @section("properties", "train")
@@ -422,13 +464,42 @@ class TrainConfig:
     rank_k: int
     sample_fraction: float  # a seeded share of the training samples (data-scaling runs); 1: all
     answers_per_prompt: int | None  # answers 0..n-1 of each prompt only (data scaling); None: all
+    # No schema default for the section (unset stays out of train's digest): today's loss
+    loss: LossConfig = field(default_factory=lambda: LossConfig())
 
     def check(self) -> None:
+        if isinstance(self.loss, dict):
+            self.loss = LossConfig(**self.loss)
         if self.distill_weight + self.rank_weight > 1:
             raise ConfigError(
                 f"train.distill_weight {self.distill_weight} + train.rank_weight "
                 f"{self.rank_weight} is over 1: cross-entropy takes what they leave"
             )
+        loss = self.loss
+        if loss.objective == "forward_kl" and self.distill_weight:
+            raise ConfigError(
+                f"train.distill_weight is {self.distill_weight} with train.loss.objective "
+                "forward_kl: the objective is the KL alone (1 - train.rank_weight of the loss), "
+                "so there is no cross-entropy to mix it into; set distill_weight to 0"
+            )
+        if loss.objective == "expected_length" and (self.distill_weight or self.rank_weight):
+            raise ConfigError(
+                f"train.loss.objective expected_length is the whole loss: it takes no "
+                f"train.distill_weight ({self.distill_weight}) or train.rank_weight "
+                f"({self.rank_weight}); set both to 0"
+            )
+        if loss.kl_temperature != 1 and loss.objective != "forward_kl" and not self.distill_weight:
+            raise ConfigError(
+                f"train.loss.kl_temperature is {loss.kl_temperature}, but the loss has no KL "
+                f"(train.loss.objective {loss.objective}, train.distill_weight 0): set objective "
+                "forward_kl or distill_weight > 0, or leave kl_temperature out"
+            )
+
+    @property
+    def kl_share(self) -> float:
+        """The KL's share of the loss: train.distill_weight, or all that the ranking term leaves
+        with objective forward_kl."""
+        return 1 - self.rank_weight if self.loss.objective == "forward_kl" else self.distill_weight
 
 
 @section("properties", "evaluate")

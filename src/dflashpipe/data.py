@@ -7,9 +7,11 @@
 Every micro-batch has the same shapes: `tokens` stream positions (padding has document id -1)
 and `anchors` anchor slots with a keep mask, so a compiled step never recompiles. The plan is a
 pure function of (seed, epoch, lengths, rank, world size), so a run resumes mid-epoch from
-(epoch, micro-batch index) alone. With soft targets (train.distill_weight > 0) each position also
-carries the target's top-k next-token ids and log-probs (`topk_ids`, `topk_logprobs`: (tokens,
-k)); every shard must have them.
+(epoch, micro-batch index) alone. Where the loss reads the target's distribution from the top-k
+soft targets (features.TargetSource) each position also carries the target's top-k next-token
+ids and log-probs (`topk_ids`, `topk_logprobs`: (tokens, k)); every shard must have them. Shards
+with the target's final hidden states (extract.final_hidden) decode them as one more block of
+`target_hidden`, and `to_device` splits it off as `target_final` (tokens, H) where asked.
 
 `quantized=True` (the train stage on a GPU): a pack whose samples all come from shards of one
 quantized codec carries the arrays as stored instead of `target_hidden`: fp8-zstd's e4m3 bytes and
@@ -56,12 +58,20 @@ class Sample:
         return self.prompt if self.prompt is not None else f"{self.shard}/{self.row}"
 
 
-def index_samples(shard_paths: list[Path], tokens: int, stats: dict, topk: int = 0) -> list[Sample]:
+def index_samples(shard_paths: list[Path], tokens: int, stats: dict, topk: int = 0,
+                  final: bool = False) -> list[Sample]:  # fmt: skip
     """Every usable sample of the shards, from column data only (nothing is decoded). topk > 0:
-    the soft targets training needs; a shard without them, or with another k, is refused."""
+    the soft targets training needs; a shard without them, or with another k, is refused; so is
+    one without the final hidden states where `final` asks for them."""
     samples = []
     for s, path in enumerate(shard_paths):
         shard = FeatureShard(path)
+        if final and not shard.info.final_hidden:
+            raise DataError(
+                f"{path} has no final hidden states (extract.final_hidden off), but the loss "
+                "trains on the target's whole distribution from them, as its manifest promised; "
+                "re-extract it with extract.final_hidden true"
+            )
         if topk and shard.info.topk != topk:
             has = f"top-{shard.info.topk} soft targets" if shard.info.topk else "no soft targets"
             raise DataError(
@@ -172,7 +182,8 @@ class PackedBatches(Dataset):
         docs = torch.full((T,), -1, dtype=torch.long)
         mask = torch.zeros(T, dtype=torch.long)
         first = self._shard(self.samples[self.plan[k][0]].shard).info
-        width, n_layers = len(first.layer_ids) * first.hidden_size, len(first.layer_ids)
+        n_layers = first.blocks  # the target's final hidden state, if stored, is one more
+        width = n_layers * first.hidden_size
         infos = [self._shard(self.samples[i].shard).info for i in self.plan[k]]
         (codec, group), *more = {(info.codec, info.group_size) for info in infos}
         quantized = self.quantized and not more and codec in QUANTIZED
@@ -233,14 +244,20 @@ def _batch_tensor(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return torch.empty(0, dtype=dtype).set_(storage, 0, shape)
 
 
-def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+def to_device(
+    batch: dict[str, torch.Tensor], device: torch.device, final: int = 0
+) -> dict[str, torch.Tensor]:
     """A micro-batch on `device` with `target_hidden` in bf16 (a quantized pack's stored arrays
-    dequantized there)."""
+    dequantized there). final = H > 0: the packs' rows end with the target's final hidden
+    state, split off as `target_final` (tokens, H); both are views of the one decoded block."""
     b = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
     for codec, names in STORED.items():
         if f"target_{names[0]}" in b:
             parts = tuple(b.pop(f"target_{name}") for name in names)
             b["target_hidden"] = dequantize(parts, codec)
+    if final:
+        hidden = b["target_hidden"]
+        b["target_hidden"], b["target_final"] = hidden[:, :-final], hidden[:, -final:]
     return b
 
 

@@ -3,7 +3,9 @@
     sequences/shard-i.parquet ─► length-sorted batches within a token budget
       ─► GPU: base-model forward up to the deepest tapped layer, taps gathered by hooks
           (extract.topk = k > 0: every layer, the final norm and the LM head, whose top-k
-          next-token log-probs per position are kept beside the taps as soft targets)
+          next-token log-probs per position are kept beside the taps as soft targets;
+          extract.final_hidden: every layer and the final norm, whose output is kept as one
+          more block after the taps, for the target's whole distribution at train time)
       ─► pinned host buffers (non-blocking copy, one CUDA event per batch)
       ─► encoder threads (numpy + zstd, no CUDA) ─► writer thread ─► features/shard-i.arrow
 
@@ -67,29 +69,42 @@ def truncate_base(base: nn.Module, deepest: int) -> nn.Module:
 
 
 @torch.inference_mode()
-def forward_taps(base: nn.Module, taps: LayerTaps, ids: torch.Tensor) -> torch.Tensor:
-    """(B, T, n_layers*H) hidden states of the tapped layers for right-padded `ids`.
+def forward_taps(
+    base: nn.Module, taps: LayerTaps, ids: torch.Tensor, final: bool = False
+) -> torch.Tensor:
+    """(B, T, n_layers*H) hidden states of the tapped layers for right-padded `ids`; `final`:
+    (B, T, (n_layers + 1)*H), the base model's output (the last layer's, after the final norm)
+    appended, so that the codec stores it as one more layer.
 
     No attention mask: with causal attention and the padding on the right, a real token never
     sees a pad, and positions 0..len-1 are the defaults. Without a mask, sdpa takes its causal
     flash path and transformers never inspects the mask on the host (a GPU sync per batch)."""
-    base(input_ids=ids, use_cache=False)
-    return taps.gather().to(torch.bfloat16)  # shards hold bf16 whatever the compute dtype
+    last = base(input_ids=ids, use_cache=False).last_hidden_state
+    return with_final(taps.gather(), last if final else None)
+
+
+def with_final(taps: torch.Tensor, last: torch.Tensor | None) -> torch.Tensor:
+    """The taps in bf16 (shards hold bf16 whatever the compute dtype), the final hidden state
+    after them where given."""
+    if last is not None:
+        taps = torch.cat([taps, last.to(taps.dtype)], -1)  # (B, T, (n_layers + 1)*H)
+    return taps.to(torch.bfloat16)
 
 
 @torch.inference_mode()
 def forward_soft_targets(
     base: nn.Module, taps: LayerTaps, head: nn.Module, ids: torch.Tensor, k: int,
-    chunk_tokens: int = 4096,
+    chunk_tokens: int = 4096, final: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """forward_taps plus the soft targets: (B, T, n_layers*H) bf16 taps, and per position t the
     target's k most likely next tokens (B, T, k) int32 with their log-probabilities (B, T, k)
     float16, i.e. its distribution over x_{t+1}. Runs every layer, the final norm (in the base
     model's output) and the LM head; the head goes over at most `chunk_tokens` positions at a
     time (fewer for a large vocabulary: loss.logit_rows), so only (chunk, V) float32 logits
-    exist, not (B, T, V)."""
+    exist, not (B, T, V). `final`: the normed last hidden state appended to the taps, as
+    forward_taps does."""
     last = base(input_ids=ids, use_cache=False).last_hidden_state  # (B, T, H), normed
-    hidden = taps.gather().to(torch.bfloat16)
+    hidden = with_final(taps.gather(), last if final else None)
     cap = getattr(base.config, "final_logit_softcapping", None)  # Gemma-2 style targets
     flat = last.flatten(0, 1)  # (B*T, H)
     chunk = logit_rows(head.weight.shape[0], chunk_tokens)
@@ -182,12 +197,13 @@ class Extractor:
         self.group = group_of(ex.codec, ex.group_size)  # fp4-zstd's; None for the others
         if self.group is not None:
             check_group(self.group, base.config.hidden_size)
-        self.direct_io, self.topk = ex.direct_io, ex.topk
+        self.direct_io, self.topk, self.final = ex.direct_io, ex.topk, ex.final_hidden
         if self.topk and head is None:
             raise ValueError("extract.topk > 0 needs the target's LM head")
         self.base, self.head, self.device, self.layer_ids = base, head, device, layer_ids
         self.taps = LayerTaps(base, layer_ids)
-        self.width = len(layer_ids) * base.config.hidden_size
+        self.blocks = len(layer_ids) + self.final  # the final hidden state: one more layer
+        self.width = self.blocks * base.config.hidden_size
         workers = ex.encode_workers or max(1, min(16, (os.cpu_count() or 2) - 1))
         self.pool = ThreadPoolExecutor(workers, thread_name_prefix="encode")
         self.pinned = device.type == "cuda"
@@ -214,15 +230,17 @@ class Extractor:
         lengths_d = torch.tensor(lengths, pin_memory=self.pinned).to(self.device, non_blocking=True)
         soft: list[torch.Tensor] = []
         if self.topk:
-            hidden, *soft = forward_soft_targets(self.base, self.taps, self.head, ids_d, self.topk)
+            hidden, *soft = forward_soft_targets(
+                self.base, self.taps, self.head, ids_d, self.topk, final=self.final
+            )
         else:
-            hidden = forward_taps(self.base, self.taps, ids_d)
+            hidden = forward_taps(self.base, self.taps, ids_d, self.final)
         positions = torch.arange(ids.shape[1], device=self.device)
         pad = positions >= lengths_d.unsqueeze(1)  # (B, T)
         finite = torch.isfinite(hidden).logical_or(pad[..., None]).flatten(1).all(1)  # (B,)
         if soft:  # NaN logits give NaN log-probs (the clamp to float16's range keeps NaN)
             finite &= torch.isfinite(soft[1]).logical_or(pad[..., None]).flatten(1).all(1)
-        parts = prepare(hidden, self.codec, len(self.layer_ids), self.group)
+        parts = prepare(hidden, self.codec, self.blocks, self.group)
         host = [self._to_host(p) for p in parts]
         soft_host = [self._to_host(p) for p in soft]  # top-k ids, log-probs
         finite_host = finite.to("cpu", non_blocking=True)
@@ -348,8 +366,9 @@ def run(cfg: Config, paths: ExtractPaths, lease: DeviceLease = ANY_DEVICE) -> No
         rows = read_sequences(Path(paths.sequences), identity, ex.max_length, ex.overflow, stats)
         layer_ids = layer_ids_for(cfg, base.config.num_hidden_layers)
         group = group_of(ex.codec, ex.group_size)  # checked against the hidden size by Extractor
-        info = ShardInfo(ex.codec, layer_ids, base.config.hidden_size, identity, ex.topk, group)
-        if not ex.topk:  # with soft targets every layer runs: the LM head reads the last one
+        info = ShardInfo(ex.codec, layer_ids, base.config.hidden_size, identity, ex.topk, group,
+                         ex.final_hidden)  # fmt: skip
+        if not (ex.topk or ex.final_hidden):  # else every layer runs: the final norm reads the last
             truncate_base(base, max(layer_ids))
         log.info(
             "shard %d: %d samples on %s, layers %s, codec %s%s, %s",
@@ -361,8 +380,10 @@ def run(cfg: Config, paths: ExtractPaths, lease: DeviceLease = ANY_DEVICE) -> No
             f" (groups of {group})" if group else "",
             f"top-{ex.topk} soft targets (all {len(base.layers)} layers and the LM head run)"
             if ex.topk
-            else f"no soft targets (layers 0-{max(layer_ids)} run)",
+            else f"no soft targets (layers 0-{len(base.layers) - 1} run)",
         )
+        if ex.final_hidden:
+            log.info("the target's final hidden state (after its last norm) stored after the taps")
         tokens = sum(len(r["input_ids"]) for r in rows)
 
         def write_stats() -> None:  # before the shard's rename: a shard in place has its stats

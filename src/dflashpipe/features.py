@@ -1,10 +1,12 @@
 """The features train reads: the stage's own manifest, train.extra_features' beside it, the
-shards they vouch for, and a mask token the data never uses."""
+shards they vouch for, where the target's distribution comes from, and a mask token the data
+never uses."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -40,31 +42,52 @@ def read_manifest(path: Path) -> dict:
     return manifest
 
 
-def soft_targets_of(path: Path, manifest: dict, distill_weight: float) -> int:
-    """The k of the top-k soft targets that train.distill_weight > 0 trains on (0 when it is 0);
-    features without them are refused, naming the manifest."""
-    if not distill_weight:
-        return 0
-    k = manifest.get("topk", 0)  # manifests written before soft targets existed lack it
-    if not k:
-        raise DataError(
-            f"{path}: the features have no top-k soft targets (made with extract.topk 0), but "
-            f"train.distill_weight {distill_weight} trains on them; extract with extract.topk > 0, "
-            "or set train.distill_weight to 0"
-        )
-    return k
+@dataclass(frozen=True)
+class TargetSource:
+    """What training reads of the target's distribution: the final hidden states (its whole
+    distribution through the LM head: extract.final_hidden) where the features hold them, else
+    the top-k soft targets (extract.topk); nothing where the loss needs neither."""
+
+    topk: int = 0  # k of the top-k read per position; 0: not read
+    final: bool = False  # the final hidden states read (the last block of `hidden`)
+
+    def describe(self) -> str:
+        if self.final:
+            return "its whole distribution (the final hidden states through the LM head)"
+        return f"its top-{self.topk} (renormalized)" if self.topk else "none"
+
+
+def target_source(path: Path, manifest: dict, needs: list[str]) -> TargetSource:
+    """Where the settings in `needs` (config.LossConfig.needs_target's) take the target's
+    distribution from; features holding neither source are refused, naming the manifest, the
+    settings and the extract keys that provide one."""
+    if not needs:
+        return TargetSource()
+    if manifest.get("final_hidden"):  # manifests written before it existed lack it
+        return TargetSource(final=True)
+    if k := manifest.get("topk", 0):  # manifests written before soft targets existed lack it
+        return TargetSource(topk=k)
+    raise DataError(
+        f"{path}: the features have no top-k soft targets and no final hidden states (made with "
+        f"extract.topk 0 and extract.final_hidden off), but {', '.join(needs)} trains on the "
+        "target's distribution; extract with extract.final_hidden true (its whole distribution) "
+        "or extract.topk > 0 (its top-k)"
+    )
 
 
 def extra_features(path: Path, own: dict, topk: int = 0) -> tuple[dict, list[Path]]:
     """(manifest, shard paths) of more features to train on (`train.extra_features`): they must
     come from the same target (weights and tokenizer) with the same layers, hidden size, codec
     and group size as the stage's own (a drafter trained on a mix of codecs would read inputs of
-    two error levels; and, with soft targets, the same top-k); their shards are the files of
-    those names beside the manifest."""
+    two error levels; and, with soft targets, the same top-k), the final hidden states stored
+    or not as in the own (a pack's rows have one width); their shards are the files of those
+    names beside the manifest."""
     manifest = read_manifest(path)
     keys = ("layer_ids", "hidden_size", "codec", "group_size")
     try:
-        check_manifest(manifest, {key: own.get(key) for key in keys}
+        check_manifest({"final_hidden": False} | manifest,  # absent before it existed
+                       {key: own.get(key) for key in keys}
+                       | {"final_hidden": own.get("final_hidden", False)}
                        | {f"target.{k}": own["target"].get(k)
                           for k in ("weights_sha256", "tokenizer_sha256")}
                        | ({"topk": topk} if topk else {}))  # fmt: skip

@@ -11,10 +11,13 @@ document and supervised (loss_mask = 1).
 
 Per-slot loss (objective="cross_entropy", the default): (1 - d - r) CE(x_{a+k}) + d T^2
 KL(p_T || q_T) + r softplus(z_c - z_label).
-- KL (train.distill_weight = d > 0): p_T = softmax(log p / T) over the target's top-k for x_{a+k}
-  (extract's k ids, renormalized; the target predicted x_{a+k} at position a+k-1), q_T =
-  softmax(z / T) over the whole vocabulary: forward KL with temperature T (kl_temperature, 1 by
-  default). The T^2 is Hinton et al.'s distillation scale: the KL's gradient in the logits,
+- KL (train.distill_weight = d > 0, or train.loss.objective forward_kl: d = 1 - r): the target's
+  distribution for x_{a+k} (it predicted x_{a+k} at position a+k-1), either its whole one,
+  p_T = softmax(zt / T) with zt = h_t @ W^T from its stored final hidden state h_t
+  (extract.final_hidden: the head the drafter holds applied in the same chunk as the drafter's,
+  so no (N, V) target logits exist for the batch), or its top-k, p_T = softmax(log p / T) over
+  extract's k ids, renormalized; q_T = softmax(z / T) over the whole vocabulary: forward KL with
+  temperature T (kl_temperature, 1 by default). The T^2 is Hinton et al.'s distillation scale: the KL's gradient in the logits,
   (q_T - p_T) / T, shrinks like 1/T^2 as T grows, so without it d would mean less at every T > 1;
   with it d keeps its meaning as the soft term's share, and T = 1 is the plain KL.
 - Ranking (train.rank_weight = r > 0; issue 24's tree-aware lever): c is the rank_k-th most
@@ -22,8 +25,9 @@ KL(p_T || q_T) + r softplus(z_c - z_label).
   tree search takes from the slot (evaluate.tree_top_k), large while it is not.
 
 Acceptance a_k of slot k: the drafter's probability of its label, exp(z_label - lse); with the KL
-in the loss (d > 0), sum_v min(p_v, q_v) over the target's top-k (p renormalized, both at
-temperature 1: speculative sampling's acceptance). A block's expected accepted length is
+in the loss (d > 0) and D-PACE weights, sum_v min(p_v, q_v) over the target's distribution
+(the top-k renormalized, or the whole vocabulary; both at temperature 1: speculative sampling's
+acceptance). A block's expected accepted length is
 1 + sum_k prod_{j<=k} a_j (DFLASH2.md, "Acceptance-aware objectives").
 
 Slot weights (weighting=):
@@ -42,8 +46,9 @@ a_j the label's probability, the chain cut at a block's first invalid slot, A' t
 valid slot (E[tau]'s constant 1 dropped). Not detached: its exact gradient in slot j's logits is
 c_j / A' times cross-entropy's, c_j = sum_{k >= j} prod_{i <= k} a_i (expected_length_weights).
 
-greedy_labels: the target's argmax as each slot's label, a block's slots dropped after its first
-argmax that leaves the sampled answer (greedy verification accepts only the argmax chain).
+greedy_labels: the target's argmax as each slot's label (extract's top-1, or target_argmax of its
+final hidden states), a block's slots dropped after its first argmax that leaves the sampled
+answer (greedy verification accepts only the argmax chain).
 
 The LM head is the target's (vocabularies of 150k+), so full float32 logits for a whole batch
 would be gigabytes. The head and the loss run together over chunks of rows; each chunk writes its
@@ -111,19 +116,40 @@ def block_labels(
     return torch.where(valid, input_ids[at], 0), valid
 
 
+def predicting_rows(anchors: Tensor, block_size: int, length: int) -> Tensor:
+    """(A, B) stream positions whose target output predicts each slot's label: slot j's label is
+    x_{a+j}, which the target predicted at a+j-1 (a-1 for slot 0, clamped: slot 0 carries no
+    loss). Positions past the stream are clamped too; block_labels marks those slots invalid."""
+    at = anchors[:, None] - 1 + torch.arange(block_size, device=anchors.device)  # (A, B)
+    return at.clamp(0, length - 1)
+
+
 def block_soft_targets(
     topk_ids: Tensor, topk_logprobs: Tensor, anchors: Tensor, block_size: int
 ) -> tuple[Tensor, Tensor]:
-    """The target's top-k over each slot's label: (A, B, k) ids and log-probs.
-
-    topk_ids, topk_logprobs (T, k): row t is the target's distribution over x_{t+1} (extract
-    stores the LM head's output at t). Slot j's label is x_{a+j}, so its soft target is row
-    a+j-1 (row a-1 for slot 0, clamped: slot 0 carries no loss). Rows past the stream are
-    clamped too; block_labels marks those slots invalid."""
-    T = topk_ids.shape[0]
-    at = anchors[:, None] - 1 + torch.arange(block_size, device=anchors.device)  # (A, B)
-    at = at.clamp(0, T - 1)
+    """The target's top-k over each slot's label: (A, B, k) ids and log-probs. topk_ids,
+    topk_logprobs (T, k): row t is the target's distribution over x_{t+1} (extract stores the LM
+    head's output at t)."""
+    at = predicting_rows(anchors, block_size, topk_ids.shape[0])
     return topk_ids[at], topk_logprobs[at]
+
+
+def block_target_hidden(final_hidden: Tensor, anchors: Tensor, block_size: int) -> Tensor:
+    """(A, B, H) the target's final hidden state (after its last norm) that predicts each slot's
+    label, from the stream's (T, H) (extract.final_hidden); its LM head gives the target's whole
+    distribution over the label."""
+    return final_hidden[predicting_rows(anchors, block_size, final_hidden.shape[0])]
+
+
+@torch.no_grad()
+def target_argmax(target_hidden: Tensor, lm_head_weight: Tensor, chunk_rows: int = 1024) -> Tensor:
+    """(A, B) the target's most likely token at each slot, from its final hidden states (A, B, H)
+    through its LM head, chunked so only (chunk, V) logits exist (softcapping is monotone, so
+    the argmax is the capped logits' too)."""
+    flat = target_hidden.flatten(0, 1).to(lm_head_weight.dtype)  # (N, H)
+    step = logit_rows(lm_head_weight.shape[0], chunk_rows)
+    ids = [(flat[s : s + step] @ lm_head_weight.T).argmax(-1) for s in range(0, len(flat), step)]
+    return torch.cat(ids).view(target_hidden.shape[:2])
 
 
 WEIGHTINGS = ("decay", "dpace")
@@ -147,30 +173,37 @@ def dflash_loss(
     dpace_mix: float = 0.5,
     objective: str = "cross_entropy",
     kl_temperature: float = 1.0,
+    target_hidden: Tensor | None = None,
+    target_softcap: float | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """The weighted block loss of the drafter's outputs (module docstring), and metrics as
     tensors (no host sync).
 
     hidden (A, B, H) from the drafter; lm_head_weight (V, H) frozen; labels, valid (A, B);
-    soft: (A, B, k) top-k ids and log-probs from block_soft_targets, needed when distill_weight
-    (the KL's share, in [0, 1]) is > 0. rank_weight: the ranking term's share (rank_k: see the
+    the target's distribution, one of them needed when distill_weight (the KL's share, in [0, 1])
+    is > 0: soft, (A, B, k) top-k ids and log-probs from block_soft_targets, or target_hidden,
+    (A, B, H) its final hidden states from block_target_hidden (its whole distribution through
+    lm_head_weight, tanh-capped at target_softcap where the target caps its logits). rank_weight: the ranking term's share (rank_k: see the
     module docstring); cross-entropy takes 1 - distill_weight - rank_weight. weighting "decay"
     (gamma) or "dpace" (dpace_mix); objective "cross_entropy" or "expected_length";
     kl_temperature: the KL's T. Returns the scalar float32 loss and {"slot_accuracy": (B-1,),
     "acceptance_length": (), "slot_labels": (B-1,) valid-label counts}. compile: default on CUDA.
     """
     check_loss_arguments(lm_head_weight, soft, distill_weight, rank_weight, rank_k, weighting,
-                         dpace_mix, objective, kl_temperature)  # fmt: skip
+                         dpace_mix, objective, kl_temperature, target_hidden)  # fmt: skip
     A, B, H = hidden.shape
     valid = valid[:, 1:]  # (A, B-1)
     rows = hidden[:, 1:].reshape(-1, H)  # (A*(B-1), H)
-    soft_ids = soft_logprobs = None
-    if distill_weight:
-        soft_ids = soft[0][:, 1:].flatten(0, 1).long()  # (A*(B-1), k)
-        soft_logprobs = soft[1][:, 1:].flatten(0, 1).float()  # (A*(B-1), k)
-    # (d, r, rank_k, T, overlap): fixed per run, so one compiled kernel per run
+    target: tuple[Tensor, ...] = ()  # what the chunk kernel reads of the target, per row
+    if distill_weight and target_hidden is not None:
+        target = (target_hidden[:, 1:].reshape(-1, H).to(lm_head_weight.dtype),)  # (N, H)
+    elif distill_weight:
+        target = (soft[0][:, 1:].flatten(0, 1).long(),  # (N, k)
+                  soft[1][:, 1:].flatten(0, 1).float())  # fmt: skip
+    # (d, r, rank_k, T, overlap, softcap): fixed per run, so one compiled kernel per run
     terms = (float(distill_weight), float(rank_weight), int(rank_k), float(kl_temperature),
-             weighting == "dpace" and distill_weight > 0)  # fmt: skip
+             weighting == "dpace" and distill_weight > 0,
+             float(target_softcap) if target_softcap else None)  # fmt: skip
     decay = slot_weights(B, gamma, hidden.device)[1:] * valid  # (A, B-1)
 
     def weigh(losses: Tensor, acceptance: Tensor) -> tuple[Tensor, Tensor]:
@@ -185,16 +218,15 @@ def dflash_loss(
 
     compile = hidden.is_cuda if compile is None else compile
     loss, correct = _LinearCrossEntropy.apply(
-        rows, lm_head_weight, labels[:, 1:].flatten(), chunk_rows, compile, soft_ids,
-        soft_logprobs, terms, weigh,
-    )  # fmt: skip
+        rows, lm_head_weight, labels[:, 1:].flatten(), chunk_rows, compile, target, terms, weigh
+    )
     return loss, slot_metrics(correct.view(A, B - 1), valid)
 
 
 def check_loss_arguments(
     lm_head_weight: Tensor, soft: tuple[Tensor, Tensor] | None, distill_weight: float,
     rank_weight: float, rank_k: int, weighting: str, dpace_mix: float, objective: str,
-    kl_temperature: float,
+    kl_temperature: float, target_hidden: Tensor | None = None,
 ) -> None:  # fmt: skip
     """Refuse what dflash_loss cannot honour, naming the argument."""
     if lm_head_weight.requires_grad:
@@ -216,8 +248,13 @@ def check_loss_arguments(
         raise ValueError(f"dpace_mix {dpace_mix} is not a mixing factor in [0, 1]")
     if not 0 < kl_temperature < math.inf:
         raise ValueError(f"kl_temperature {kl_temperature} is not a temperature > 0")
-    if distill_weight and soft is None:
-        raise ValueError(f"distill_weight {distill_weight} needs the soft targets (soft=)")
+    if soft is not None and target_hidden is not None:
+        raise ValueError("soft= and target_hidden= both give the target's distribution; pass one")
+    if distill_weight and soft is None and target_hidden is None:
+        raise ValueError(
+            f"distill_weight {distill_weight} needs the target's distribution (soft= or "
+            "target_hidden=)"
+        )
     # Settings that would silently do nothing are refused too: they are someone's mistake.
     if kl_temperature != 1 and not distill_weight:
         raise ValueError(f"kl_temperature {kl_temperature} needs the KL (distill_weight > 0)")
@@ -294,27 +331,27 @@ def slot_metrics(correct: Tensor, valid: Tensor) -> dict[str, Tensor]:
 class _LinearCrossEntropy(torch.autograd.Function):
     """sum_i w_i l_i, z_i = rows_i @ W^T, chunked; grad only for the rows. Per row l_i = (1 - d - r)
     CE(z_i, label_i) + d T^2 KL(p_i,T || softmax(z_i / T)) + r softplus(z_i[c_i] - z_i[label_i]);
-    terms = (d, r, k, T, overlap): p_i = softmax(soft_logprobs_i / T) on soft_ids_i (nothing
-    elsewhere), c_i the k-th most likely token other than the label; overlap: acceptance as
-    sum min(p, q) rather than q(label). weigh(losses, acceptance) -> (loss, w) runs once all
-    rows are seen."""
+    terms = (d, r, k, T, overlap, softcap); target: () without the KL, (soft_ids, soft_logprobs)
+    (N, k): p_i = softmax(soft_logprobs_i / T) on soft_ids_i (nothing elsewhere), or
+    (target_rows,) (N, H): p_i = softmax(cap(target_rows_i @ W^T) / T) over the vocabulary;
+    c_i the k-th most likely token other than the label; overlap: acceptance as sum min(p, q)
+    rather than q(label). weigh(losses, acceptance) -> (loss, w) runs once all rows are seen."""
 
     @staticmethod
-    def forward(ctx, rows, weight, labels, chunk_rows, compile, soft_ids, soft_logprobs, terms,
-                weigh):  # fmt: skip
+    def forward(ctx, rows, weight, labels, chunk_rows, compile, target, terms, weigh):
         need_grad = ctx.needs_input_grad[0]
         N = rows.shape[0]
         # Equal chunks: one compiled shape for every chunk. Rows come in a fixed count per step,
         # so fewer rows than a chunk make one chunk of their own size, not one padded to
-        # chunk_rows (112 rows padded to 1,024 made a CPU step 9x the work).
-        chunk_rows = max(1, min(logit_rows(weight.shape[0], chunk_rows), N))
+        # chunk_rows (112 rows padded to 1,024 made a CPU step 9x the work). The target's whole
+        # distribution holds a second set of (chunk, V) float32 tensors: half the rows.
+        budget = logit_rows(weight.shape[0], chunk_rows) // (2 if len(target) == 1 else 1)
+        chunk_rows = max(1, min(budget, N))
         pad = -N % chunk_rows
         rows_p = F.pad(rows, (0, 0, 0, pad))
         labels_p = F.pad(labels, (0, pad))
-        soft = () if soft_ids is None else (
-            F.pad(soft_ids, (0, 0, 0, pad)), F.pad(soft_logprobs, (0, 0, 0, pad))
-        )  # fmt: skip
-        kernel = _chunk_kernel(need_grad, compile, terms)
+        soft = tuple(F.pad(t, (0, 0, 0, pad)) for t in target)
+        kernel = _chunk_kernel(need_grad, compile, terms, len(target))
         losses = torch.empty(N + pad, device=rows.device, dtype=torch.float32)
         acceptance = torch.empty_like(losses)
         correct = torch.empty(N + pad, device=rows.device, dtype=torch.bool)
@@ -336,24 +373,38 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, grad_correct):
         (grad,) = ctx.saved_tensors
-        return grad * grad_loss.to(grad.dtype), *[None] * 8
+        return grad * grad_loss.to(grad.dtype), *[None] * 7
 
 
 def _chunk_loss(
     rows: Tensor, weight: Tensor, labels: Tensor, need_grad: bool,
-    terms: tuple[float, float, int, float, bool] = (0.0, 0.0, 8, 1.0, False),
-    soft_ids: Tensor | None = None, soft_logprobs: Tensor | None = None,
+    terms: tuple = (0.0, 0.0, 8, 1.0, False, None), *target: Tensor,
 ):  # fmt: skip
-    """One chunk's (c,) losses, (c,) acceptances, (c,) correct and (c, H) unweighted gradient."""
-    distill_weight, rank_weight, rank_k, T, overlap = terms
+    """One chunk's (c,) losses, (c,) acceptances, (c,) correct and (c, H) unweighted gradient;
+    target: _LinearCrossEntropy's, this chunk's rows of it."""
+    distill_weight, rank_weight, rank_k, T, overlap, softcap = terms
     hard = 1 - distill_weight - rank_weight
     logits = (rows @ weight.T).float()  # (c, V)
     lse = logits.logsumexp(-1)  # (c,)
     picked = logits.gather(1, labels[:, None])[:, 0]  # (c,)
     per_row = hard * (lse - picked)  # (c,) CE
     acceptance = torch.exp(picked - lse)  # (c,) q(label)
+    full = len(target) == 1  # the target's whole distribution, from its final hidden states
     if distill_weight:
         lse_t = lse if T == 1 else (logits / T).logsumexp(-1)  # (c,)
+    if distill_weight and full:
+        zt = (target[0] @ weight.T).float()  # (c, V) the target's logits
+        if softcap:
+            zt = torch.tanh(zt / softcap) * softcap
+        log_p = (zt / T).log_softmax(-1)  # (c, V)
+        p = log_p.exp()
+        log_q = logits / T - lse_t[:, None]  # (c, V)
+        per_row = per_row + distill_weight * T * T * (p * (log_p - log_q)).sum(-1)  # T^2 KL
+        if overlap:  # speculative sampling's acceptance, at temperature 1 whatever T
+            p1 = p if T == 1 else zt.softmax(-1)
+            acceptance = torch.minimum(p1, torch.exp(logits - lse[:, None])).sum(-1)
+    elif distill_weight:
+        soft_ids, soft_logprobs = target
         log_p = (soft_logprobs / T).log_softmax(-1)  # (c, k) the target's top-k, renormalized
         p = log_p.exp()
         log_q = logits.gather(1, soft_ids) / T - lse_t[:, None]  # (c, k) the drafter's, same ids
@@ -371,7 +422,7 @@ def _chunk_loss(
     if not need_grad:
         return per_row, acceptance, correct, None
     # d CE / d logits = softmax - onehot(label); d T^2 KL / d logits = T (softmax(z / T) - p) on
-    # the k ids (p sums to 1); d rank / d logits = sigmoid(margin) (onehot(c) - onehot(label)).
+    # the k ids, or every id for the whole distribution (p sums to 1); d rank / d logits = sigmoid(margin) (onehot(c) - onehot(label)).
     # At T = 1, mixed: (1 - r) softmax - (1 - d - r) onehot - d p + r sigmoid (onehot(c) - ...).
     if distill_weight and T != 1:
         dlogits = torch.exp(logits - lse[:, None]) * hard  # (c, V)
@@ -379,7 +430,9 @@ def _chunk_loss(
     else:
         dlogits = torch.exp(logits - lse[:, None]) * (1 - rank_weight)  # (c, V)
     dlogits.scatter_add_(1, labels[:, None], torch.full_like(picked, -hard)[:, None])
-    if distill_weight:
+    if distill_weight and full:
+        dlogits -= (distill_weight * T) * p
+    elif distill_weight:
         dlogits.scatter_add_(1, soft_ids, -distill_weight * T * p)
     if rank_weight:
         push = rank_weight * torch.sigmoid(margin)[:, None]  # (c, 1)
@@ -388,12 +441,12 @@ def _chunk_loss(
     return per_row, acceptance, correct, dlogits.to(rows.dtype) @ weight  # (c, H)
 
 
-def _chunk_kernel(need_grad: bool, compile: bool, terms: tuple) -> Callable:
-    key = (need_grad, compile, terms)
+def _chunk_kernel(need_grad: bool, compile: bool, terms: tuple, target: int) -> Callable:
+    key = (need_grad, compile, terms, target)
     if key not in _CHUNK_KERNELS:
 
-        def kernel(rows, weight, labels, *soft):
-            return _chunk_loss(rows, weight, labels, need_grad, terms, *soft)
+        def kernel(rows, weight, labels, *target):
+            return _chunk_loss(rows, weight, labels, need_grad, terms, *target)
 
         # Compiled, softmax and the one-hot subtraction fuse into the logits' epilogue instead
         # of each writing a (chunk, V) float32 tensor.

@@ -6,7 +6,8 @@
               prompts.exclude, train.extra_features, a local target, its GGUF or tokenizer):
               a missing one is refused before any job can remove an output
            ─► config-only checks (drafter.sliding_window against train.max_length and the
-              drafter's layers; target.chat_template a template, a file, auto or none)
+              drafter's layers; target.chat_template a template, a file, auto or none; a
+              train.loss that needs the target's distribution against what extract stores)
     target ─► its shape (decoder layers, vocabulary, family, whether it has a chat template),
               read cheaply where it is local: a HF directory's config.json and tokenizer
               files, a GGUF file's metadata header (the tensors are not read), a hub id's files
@@ -80,6 +81,7 @@ def check_config(cfg: Config) -> None:
     """Checks across sections that need no target."""
     if cfg.target.chat_template not in (None, "auto", "none"):
         template_text(cfg.target.chat_template)  # Jinja text or an existing file
+    check_loss_inputs(cfg)
     drafter, window = cfg.drafter, cfg.drafter.sliding_window
     if window is None:
         return
@@ -97,6 +99,21 @@ def check_config(cfg: Config) -> None:
             "the window applies to every drafter layer but the last, which keeps full "
             "attention, so a one-layer drafter would not use it; expected num_layers >= 2, or "
             "sliding_window null"
+        )
+
+
+def check_loss_inputs(cfg: Config) -> None:
+    """A train.loss that needs the target's distribution (objective forward_kl, labels greedy)
+    needs features that hold it: extract.final_hidden (its whole distribution) or extract.topk
+    (its top-k). Refused here, before regenerate and extract spend hours on features the loss
+    cannot use (train refuses such a manifest too: features.target_source)."""
+    ex, needs = cfg.extract, cfg.train.loss.needs_target()
+    if needs and not (ex.final_hidden or ex.topk):
+        raise ConfigError(
+            f"{', '.join(needs)} trains on the target's distribution, which the features would "
+            f"not hold (extract.final_hidden {'on' if ex.final_hidden else 'off'}, extract.topk "
+            f"{ex.topk}); set extract.final_hidden true (its whole distribution) or "
+            "extract.topk > 0 (its top-k)"
         )
 
 

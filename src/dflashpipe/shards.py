@@ -3,9 +3,13 @@
 One row per sample: `sample_id`, `input_ids` (int32), `loss_mask` (uint8), `num_tokens`, the
 encoded `hidden` block (T, n_layers * H) and its codec fields (`hidden_split`, `scales`); with
 top-k soft targets (extract.topk = k > 0) also `topk_ids` and `topk_logprobs`: zstd frames of
-(T, k) int32 / float16, row t the target's k most likely tokens at t + 1 (codecs.pack_topk). The
-schema metadata names the codec (and fp4-zstd's group size), dtype, layer ids, hidden size, top-k, format version and the
-target, so a consumer can refuse a shard it does not fit. Files are memory-mappable.
+(T, k) int32 / float16, row t the target's k most likely tokens at t + 1 (codecs.pack_topk). With
+the target's final hidden states (extract.final_hidden) `hidden` holds one more block of H after
+the taps' (T, (n_layers + 1) * H): row t the target's last hidden state after its final norm,
+whose LM head output is its distribution over x_{t+1}; the codec treats it as one more layer
+(its own scale per token). The schema metadata names the codec (and fp4-zstd's group size),
+dtype, layer ids, hidden size, top-k, final_hidden, format version and the target, so a consumer
+can refuse a shard it does not fit. Files are memory-mappable.
 """
 
 from __future__ import annotations
@@ -64,6 +68,12 @@ class ShardInfo:
     target: dict
     topk: int = 0  # k of the top-k soft-target columns; 0: the shard has none
     group_size: int | None = None  # fp4-zstd's elements per scale; None for the other codecs
+    final_hidden: bool = False  # `hidden` ends with the target's normed last hidden state
+
+    @property
+    def blocks(self) -> int:
+        """Blocks of hidden_size in a row of `hidden`: the taps', and the final one if stored."""
+        return len(self.layer_ids) + self.final_hidden
 
     def metadata(self) -> dict[str, str]:
         return {
@@ -75,7 +85,8 @@ class ShardInfo:
             "hidden_size": str(self.hidden_size),
             "target": json.dumps(self.target, sort_keys=True),
             "topk": str(self.topk),
-        }
+            # only where stored: a shard without it stays byte for byte what it was before
+        } | ({"final_hidden": "true"} if self.final_hidden else {})
 
     @classmethod
     def from_metadata(cls, meta: dict[bytes, bytes], path: Path) -> ShardInfo:
@@ -97,6 +108,7 @@ class ShardInfo:
                 json.loads(m["target"]),
                 int(m.get("topk", 0)),  # shards written before soft targets existed have none
                 group,
+                json.loads(m.get("final_hidden", "false")),  # older shards: none stored
             )
         except (KeyError, AttributeError, ValueError) as e:
             raise DataError(f"{path}: not a dflashpipe feature shard (metadata: {e})") from None
@@ -198,13 +210,13 @@ class FeatureShard:
         return json.loads(path.read_text()) if path.is_file() else {}
 
     def sample(self, i: int, out: torch.Tensor | None = None) -> dict:
-        """Row i with `hidden` decoded to a (T, n_layers * H) bf16 tensor; with `out` (a
-        contiguous bf16 (m, n_layers * H), m <= T, e.g. a slice of a packed batch) its first m
+        """Row i with `hidden` decoded to a (T, blocks * H) bf16 tensor (ShardInfo.blocks); with
+        `out` (a contiguous bf16 (m, blocks * H), m <= T, e.g. a slice of a packed batch) its first m
         tokens are decoded into `out`, which becomes `hidden`. The encoded block is read straight
         from the memory-mapped file. A shard with soft targets gives `topk_ids` (T, k) int32 and
         `topk_logprobs` (T, k) float16 too."""
         row, enc = self._row(i)
-        n_layers = len(self.info.layer_ids)
+        n_layers = self.info.blocks  # the final hidden state, if stored, is one more layer
         try:
             row["hidden"] = decode(
                 enc, self.info.codec, row["num_tokens"], n_layers * self.info.hidden_size,
@@ -220,7 +232,7 @@ class FeatureShard:
         dequantized (codecs.dequantize finishes them on the training device); `hidden` is
         None."""
         row, enc = self._row(i)
-        n_layers = len(self.info.layer_ids)
+        n_layers = self.info.blocks  # the final hidden state, if stored, is one more layer
         try:
             decode_stored(enc, self.info.codec, row["num_tokens"],
                           n_layers * self.info.hidden_size, n_layers, parts,
@@ -275,7 +287,7 @@ def build_manifest(shard_paths: list[Path]) -> dict:
             first = info
         elif info != first:
             raise DataError(
-                f"{path}: codec/group size/layers/hidden size/target/topk differ from "
+                f"{path}: codec/group size/layers/hidden size/target/topk/final_hidden differ from "
                 f"{shard_paths[0]}"
             )
         tokens = int(pc.sum(shard.table.column("num_tokens")).as_py() or 0)
@@ -297,6 +309,7 @@ def build_manifest(shard_paths: list[Path]) -> dict:
         "codec": first.codec,
         "group_size": first.group_size,
         "topk": first.topk,
+        **({"final_hidden": True} if first.final_hidden else {}),  # absent: none (as before)
         "totals": {
             "samples": sum(s["samples"] for s in shards),
             "tokens": sum(s["tokens"] for s in shards),
@@ -331,9 +344,10 @@ def verify_shard(path: Path, manifest: dict) -> None:
             f"{path}: sha256 {got} does not match the manifest's {entry['sha256']}"
         )
     info = FeatureShard(path).info
-    # manifests written before soft targets / grouped codecs existed lack topk / group_size
-    recorded = {"topk": 0, "group_size": None} | manifest
-    for key in ("codec", "group_size", "layer_ids", "hidden_size", "topk"):
+    # manifests written before soft targets / grouped codecs / final hidden states existed lack
+    # topk / group_size / final_hidden
+    recorded = {"topk": 0, "group_size": None, "final_hidden": False} | manifest
+    for key in ("codec", "group_size", "layer_ids", "hidden_size", "topk", "final_hidden"):
         if getattr(info, key) != recorded.get(key):
             raise DataError(
                 f"{path}: {key} {getattr(info, key)!r} differs from the manifest's {recorded.get(key)!r}"

@@ -1,8 +1,10 @@
 """Stage 4, train: the DFlash drafter from feature shards, one process per device (torchrun).
 
     manifest check ─► drafter sized like the target (its embedding + LM head, frozen)
-      ─► per epoch: packed micro-batches (data.py) ─► forward (flex / SDPA masks) ─► weighted CE
-          (+ KL to the target's top-k soft targets, with train.distill_weight > 0)
+      ─► per epoch: packed micro-batches (data.py) ─► forward (flex / SDPA masks) ─► the loss of
+          train.loss (loss.py: decay CE by default; forward KL, D-PACE, -E[tau], greedy labels),
+          the target's distribution where it needs one: its whole one from the stored final
+          hidden states through the frozen head, else its top-k soft targets
       ─► backward (DDP, accumulation) ─► clip ─► AdamW ─► warmup+cosine
       ─► every log_every: reduce metrics, JSONL (+ TensorBoard) ─► every checkpoint_every: save
       ─► export results/drafter/ (rank 0)
@@ -30,7 +32,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dflashpipe import checkpoint, faults
 from dflashpipe.compile_cache import carried
-from dflashpipe.config import Config, load_config
+from dflashpipe.config import Config, LossConfig, load_config
 from dflashpipe.data import (
     PackedBatches,
     Sample,
@@ -49,10 +51,18 @@ from dflashpipe.features import (
     extra_features,
     features_digest,
     read_manifest,
-    soft_targets_of,
+    target_source,
 )
 from dflashpipe.launcher import TrainPaths, die_with_parent
-from dflashpipe.loss import block_labels, block_soft_targets, default_gamma, dflash_loss
+from dflashpipe.loss import (
+    block_labels,
+    block_soft_targets,
+    block_target_hidden,
+    default_gamma,
+    dflash_loss,
+    greedy_labels,
+    target_argmax,
+)
 from dflashpipe.metrics import MetricsLog, RunFacts, expected_acceptance, step_flops
 from dflashpipe.model import FROZEN_PREFIXES, Drafter, DrafterConfig, init_from_target_layers
 from dflashpipe.shards import check_manifest, verify_shard
@@ -96,23 +106,40 @@ def compute_head(drafter: Drafter, device: torch.device) -> torch.Tensor:
 
 def forward_loss(
     model: torch.nn.Module, head: torch.Tensor, b: dict, block_size: int, gamma: float,
-    distill_weight: float = 0.0, rank: tuple[float, int] = (0.0, 8),
+    distill_weight: float = 0.0, rank: tuple[float, int] = (0.0, 8), *,
+    loss: LossConfig | None = None, softcap: float | None = None,
 ) -> tuple[torch.Tensor, dict]:  # fmt: skip
     """One micro-batch's DFlash loss and metrics (tensors, no host sync): drafter forward under
-    bf16 autocast on GPU, labels (and soft targets), chunked weighted CE (mixed with the KL to
-    the target's top-k, and the ranking term: rank = (train.rank_weight, train.rank_k)) against
-    the frozen head."""
+    bf16 autocast on GPU, labels, chunked loss against the frozen head: train.loss's objective
+    and weights (None: its defaults, decay cross-entropy), cross-entropy mixed with the KL
+    (distill_weight) and the ranking term (rank = (train.rank_weight, train.rank_k)).
+
+    The target's distribution, where the KL (objective forward_kl: the share the ranking term
+    leaves) or greedy labels need it: its whole one from b's `target_final` (its final hidden
+    states, through the head, logits tanh-capped at `softcap` where the target caps them), else
+    its top-k (`topk_ids`, `topk_logprobs`)."""
+    loss = loss or LossConfig()
     cuda = b["input_ids"].is_cuda
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
         out = model(b["input_ids"], b["target_hidden"], b["position_ids"], b["document_ids"],
                     b["anchors"], b["keep"])  # fmt: skip  # (A, B, H)
     labels, valid = block_labels(b["input_ids"], b["document_ids"], b["loss_mask"], b["anchors"],
                                  b["keep"], block_size)  # fmt: skip
-    soft = None
-    if distill_weight:
+    d = 1 - rank[0] if loss.objective == "forward_kl" else distill_weight
+    soft = target = None
+    if (d or loss.labels == "greedy") and "target_final" in b:
+        target = block_target_hidden(b["target_final"], b["anchors"], block_size).to(head.dtype)
+    elif d or loss.labels == "greedy":
         soft = block_soft_targets(b["topk_ids"], b["topk_logprobs"], b["anchors"], block_size)
-    return dflash_loss(out.to(head.dtype), head, labels, valid, gamma, soft=soft,
-                       distill_weight=distill_weight, rank_weight=rank[0], rank_k=rank[1])  # fmt: skip
+    if loss.labels == "greedy":  # the target's argmax: extract's top-1, or from its head
+        top = soft[0] if soft is not None else target_argmax(target, head)[..., None]
+        labels, valid = greedy_labels(labels, valid, top)
+    objective = "expected_length" if loss.objective == "expected_length" else "cross_entropy"
+    return dflash_loss(out.to(head.dtype), head, labels, valid, gamma,
+                       soft=soft if d else None, target_hidden=target if d else None,
+                       distill_weight=d, rank_weight=rank[0], rank_k=rank[1],
+                       weighting=loss.weighting, dpace_mix=loss.dpace_mix, objective=objective,
+                       kl_temperature=loss.kl_temperature, target_softcap=softcap)  # fmt: skip
 
 
 class FirstStep:
@@ -176,10 +203,18 @@ class Trainer:
         self._resume()
 
     def _find_features(self, manifest_path: Path) -> None:
-        """The manifest, the soft targets' k, and every shard trained on beside the manifest that
-        vouches for it (the stage's own first, then train.extra_features')."""
+        """The manifest, where the target's distribution comes from (features.TargetSource: the
+        top-k's k read, the final hidden states read), and every shard trained on beside the
+        manifest that vouches for it (the stage's own first, then train.extra_features')."""
         self.manifest = read_manifest(manifest_path)
-        self.topk = soft_targets_of(manifest_path, self.manifest, self.tc.distill_weight)
+        needs = self.tc.loss.needs_target(self.tc.distill_weight)
+        self.source = target_source(manifest_path, self.manifest, needs)
+        self.topk = self.source.topk
+        # rows that end with the final hidden state have it split off before the drafter's fc
+        self.final_width = self.manifest["hidden_size"] if self.manifest.get("final_hidden") else 0
+        if needs and self.rank == 0:
+            log.info("%s: the target's distribution is %s", ", ".join(needs),
+                     self.source.describe())  # fmt: skip
         self.own = [Path(s["path"]) for s in self.manifest["shards"]]
         extra = [extra_features(Path(p), self.manifest, self.topk) for p in self.tc.extra_features]
         self.vouched = [(path, self.manifest) for path in self.own]
@@ -192,11 +227,12 @@ class Trainer:
         train.answers_per_prompt and train.sample_fraction."""
         own, tc = self.own, self.tc
         self.stats: dict = {}
-        own_samples = index_samples(own, self.tokens, self.stats, self.topk)
+        own_samples = index_samples(own, self.tokens, self.stats, self.topk, self.source.final)
         self.samples, self.val_samples = split_validation(own_samples, tc.val_samples, tc.seed)
         added: list[Sample] = []
         if len(self.shards) > len(own):
-            added = index_samples(self.shards[len(own) :], self.tokens, self.stats, self.topk)
+            added = index_samples(self.shards[len(own) :], self.tokens, self.stats, self.topk,
+                                  self.source.final)  # fmt: skip
             self.samples += [
                 Sample(s.shard + len(own), s.row, s.length, answer=s.answer) for s in added
             ]
@@ -283,6 +319,8 @@ class Trainer:
         self.drafter = drafter
         self.gamma = self.tc.gamma or default_gamma(self.dcfg.block_size)
         self.rank_term = (self.tc.rank_weight, self.tc.rank_k)  # loss.dflash_loss's ranking term
+        # the target's logits as its distribution is computed from its final hidden states
+        self.softcap = getattr(tc, "final_logit_softcapping", None)
 
     def _wrap_model(self) -> None:
         """The frozen head as the loss multiplies it, and the drafter as the step runs it: FSDP2
@@ -407,7 +445,7 @@ class Trainer:
             )
 
     def micro_step(self, batch: dict, sync: bool) -> tuple[torch.Tensor, dict]:
-        b = to_device(batch, self.device)
+        b = to_device(batch, self.device, self.final_width)
         if self.fsdp:
             self.model.set_requires_gradient_sync(sync)  # accumulate locally until the last
             ctx = nullcontext()
@@ -415,7 +453,8 @@ class Trainer:
             ctx = self.model.no_sync() if (self.world > 1 and not sync) else nullcontext()
         with ctx:
             loss, metrics = forward_loss(self.model, self.head, b, self.dcfg.block_size, self.gamma,
-                                         self.tc.distill_weight, self.rank_term)  # fmt: skip
+                                         self.tc.distill_weight, self.rank_term,
+                                         loss=self.tc.loss, softcap=self.softcap)  # fmt: skip
             (loss / self.accum).backward()
         anchors_pos = torch.where(b["keep"], b["position_ids"][b["anchors"]], -1)
         metrics["flops"] = step_flops(
@@ -494,9 +533,9 @@ class Trainer:
         vec = torch.zeros(2 * B - 1, device=self.device)  # loss sum, correct (B-1), labels (B-1)
         self.model.train(not self.tc.dropout)  # measured as evaluated: without dropout
         for batch in make_loader(data, 0, workers=0, pin=False):
-            b = to_device(batch, self.device)
+            b = to_device(batch, self.device, self.final_width)
             loss, m = forward_loss(self.model, self.head, b, B, self.gamma, self.tc.distill_weight,
-                                   self.rank_term)  # fmt: skip
+                                   self.rank_term, loss=self.tc.loss, softcap=self.softcap)  # fmt: skip
             vec += torch.cat([loss.detach()[None], m["slot_accuracy"] * m["slot_labels"],
                               m["slot_labels"]])  # fmt: skip
         self.model.train()
