@@ -243,6 +243,49 @@ def _(env):
 
 
 @case(
+    "config-loss-without-target-distribution",
+    "config",
+    "a train.loss that needs the target's distribution, which extract would not store",
+    r"train\.loss\.labels greedy trains on the target's distribution, which the features would "
+    r"not hold \(extract\.final_hidden off, extract\.topk 0\); set extract\.final_hidden true",
+)
+def _(env):
+    return check_config(env, env.raw(train={"loss": {"labels": "greedy"}}))
+
+
+@case(
+    "config-loss-unknown-objective",
+    "config",
+    "an unknown train.loss objective",
+    r"train\.loss\.objective: 'cap' is not one of \['cross_entropy', 'forward_kl', "
+    r"'expected_length'\]",
+)
+def _(env):
+    return check_config(env, env.raw(train={"loss": {"objective": "cap"}}))
+
+
+@case(
+    "config-loss-kl-temperature",
+    "config",
+    "a KL temperature <= 0",
+    r"train\.loss\.kl_temperature: 0 is less than or equal to the minimum of 0",
+)
+def _(env):
+    loss = {"objective": "forward_kl", "kl_temperature": 0}
+    return check_config(env, env.raw(extract={"topk": 4}, train={"loss": loss}))
+
+
+@case(
+    "config-loss-dpace-mix",
+    "config",
+    "D-PACE's mixing factor outside [0, 1]",
+    r"train\.loss\.dpace_mix: 1\.5 is greater than the maximum of 1",
+)
+def _(env):
+    return check_config(env, env.raw(train={"loss": {"weighting": "dpace", "dpace_mix": 1.5}}))
+
+
+@case(
     "config-taps-last-layer",
     "config",
     "a tap on the target's last layer (served features differ from HF's hidden_states[N])",
@@ -762,8 +805,8 @@ def _(env):
     "features-no-topk",
     "manifest",
     "train.distill_weight > 0 on features extracted without soft targets",
-    r"manifest\.json: the features have no top-k soft targets \(made with extract\.topk 0\), "
-    r"but train\.distill_weight 0\.5",
+    r"manifest\.json: the features have no top-k soft targets and no final hidden states \(made "
+    r"with extract\.topk 0 and extract\.final_hidden off\), but train\.distill_weight 0\.5",
 )
 def _(env):
     manifest, _ = env.copy_features()
@@ -780,6 +823,33 @@ def _(env):
     manifest, _ = env.copy_features()
     edit_manifest(manifest, lambda m: m.update(topk=8))
     return train_run(env, env.config(train={"distill_weight": 0.5}), manifest)
+
+
+@case(
+    "features-no-final-hidden",
+    "manifest",
+    "train.loss.objective forward_kl on features made elsewhere without the target's distribution",
+    r"manifest\.json: the features have no top-k soft targets and no final hidden states .*but "
+    r"train\.loss\.objective forward_kl trains on the target's distribution; extract with "
+    r"extract\.final_hidden true",
+)
+def _(env):
+    manifest, _ = env.copy_features()
+    config = env.config(extract={"final_hidden": True}, train={"loss": {"objective": "forward_kl"}})
+    return train_run(env, config, manifest)
+
+
+@case(
+    "features-shard-no-final-hidden",
+    "feature shards",
+    "a manifest promising final hidden states its shards lack",
+    r"shard-00000\.arrow: final_hidden False differs from the manifest's True",
+)
+def _(env):
+    manifest, _ = env.copy_features()
+    edit_manifest(manifest, lambda m: m.update(final_hidden=True))
+    config = env.config(extract={"final_hidden": True}, train={"loss": {"labels": "greedy"}})
+    return train_run(env, config, manifest)
 
 
 # ------------------------------------------------------------------------------- checkpoints

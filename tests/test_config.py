@@ -210,3 +210,57 @@ def test_soft_target_keys_default_off_and_are_checked(tmp_path):
         dataclasses.replace(cfg.train, distill_weight=-0.1)  # made without the schema
     with pytest.raises(ConfigError, match=r"extract\.topk: -2 is less than the minimum of 0"):
         dataclasses.replace(cfg.extract, topk=-2)
+
+
+def test_train_loss_defaults_to_decay_cross_entropy_and_is_checked(tmp_path):
+    """train.loss (issue 62): unset, its keys take today's loss and the section stays out of the
+    resolved config; each refusal names the key, including settings that would do nothing."""
+    import dataclasses
+
+    from dflashpipe.preflight import check_config
+
+    cfg = Config.from_dict(base_config(tmp_path))
+    loss = cfg.train.loss
+    assert (loss.objective, loss.weighting, loss.dpace_mix, loss.kl_temperature, loss.labels) == (
+        "cross_entropy", "decay", 0.5, 1.0, "sampled",
+    )  # fmt: skip
+    assert "loss" not in cfg.raw["train"] and not cfg.extract.final_hidden
+    assert loss.needs_target() == []
+
+    def refused(train, extract=None):
+        raw = base_config(tmp_path)
+        raw.update(train=train, extract=extract or {})
+        with pytest.raises(ConfigError) as e:
+            check_config(Config.from_dict(raw))
+        return str(e.value)
+
+    cases = [
+        ({"loss": {"objective": "cap"}}, "train.loss.objective: 'cap' is not one of"),
+        ({"loss": {"weighting": "linear"}}, "train.loss.weighting: 'linear' is not one of"),
+        ({"loss": {"labels": "argmax"}}, "train.loss.labels: 'argmax' is not one of"),
+        ({"loss": {"kl_temperature": -1}}, "train.loss.kl_temperature: -1 is less than or equal"),
+        ({"loss": {"weighting": "dpace", "dpace_mix": -0.1}}, "train.loss.dpace_mix: -0.1 is less"),
+        ({"loss": {"dpace_mix": 0.3}}, "train.loss.dpace_mix is 0.3 with train.loss.weighting"),
+        ({"loss": {"kl_temperature": 2}}, "train.loss.kl_temperature is 2, but the loss has no KL"),
+        ({"loss": {"objective": "expected_length", "weighting": "dpace"}},
+         "train.loss.weighting is 'dpace' with train.loss.objective expected_length"),
+        ({"loss": {"objective": "expected_length"}, "rank_weight": 0.2},
+         "expected_length is the whole loss"),
+        ({"loss": {"objective": "forward_kl"}, "distill_weight": 0.5},
+         "train.distill_weight is 0.5 with train.loss.objective forward_kl"),
+        ({"loss": {"objective": "forward_kl"}}, "extract.final_hidden off, extract.topk 0"),
+        ({"loss": {"labels": "greedy"}}, "train.loss.labels greedy trains on the target's"),
+    ]  # fmt: skip
+    for train, named in cases:
+        assert named in refused(train), (train, named)
+    ok = base_config(tmp_path)
+    ok.update(extract={"final_hidden": True},
+              train={"loss": {"objective": "forward_kl", "kl_temperature": 2.0}, "rank_weight": 0.25})  # fmt: skip
+    cfg = Config.from_dict(ok)
+    check_config(cfg)
+    assert cfg.train.loss.needs_target(0.1) == [
+        "train.loss.objective forward_kl",
+        "train.distill_weight 0.1",
+    ]
+    with pytest.raises(ConfigError, match=r"train\.loss\.labels: 'x' is not one of"):
+        dataclasses.replace(cfg.train.loss, labels="x")  # made without the schema

@@ -495,12 +495,6 @@ class TrainConfig:
                 "forward_kl or distill_weight > 0, or leave kl_temperature out"
             )
 
-    @property
-    def kl_share(self) -> float:
-        """The KL's share of the loss: train.distill_weight, or all that the ranking term leaves
-        with objective forward_kl."""
-        return 1 - self.rank_weight if self.loss.objective == "forward_kl" else self.distill_weight
-
 
 @section("properties", "evaluate")
 class EvaluateConfig:
