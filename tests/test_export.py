@@ -8,7 +8,7 @@ from safetensors import safe_open
 from transformers import LlamaConfig, Qwen3Config
 
 from dflashpipe.errors import DataError
-from dflashpipe.export import load_drafter, save_drafter
+from dflashpipe.export import ARCHITECTURES, load_drafter, save_drafter
 from dflashpipe.model import Drafter, DrafterConfig
 
 V, H, MASK = 96, 32, 95
@@ -159,3 +159,83 @@ def test_missing_or_foreign_files_are_named(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(DataError, match="lack DFlashDraftModel"):
         load_drafter(tmp_path, d.embed_tokens.weight, d.lm_head.weight)
+
+
+def dflash2_drafter() -> Drafter:
+    """drafter() as DFlash2 with the default sizes (kernel 2, groups of 16, rank 256, top 16),
+    its convolutions and selector off their initial values."""
+    d = drafter(architecture="dflash2")
+    with torch.no_grad():
+        for name, p in d.named_parameters():
+            if "_conv." in name or name.startswith("candidate_selector."):
+                p.normal_(0.0, 0.3)
+    return d
+
+
+def test_dflash2_export_follows_the_official_contract(tmp_path):
+    d = dflash2_drafter()
+    save_drafter(d, tmp_path)
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        shapes = {k: tuple(f.get_tensor(k).shape) for k in f.keys()}  # noqa: SIM118
+    conv = {f"layers.{i}.{c}_conv.{n}": s for i in range(2) for c in ("attention", "mlp")
+            for n, s in (("base_kernel", (2, 2, H)), ("kernel_projection.weight", (2 * 2 * H // 16, H)))}  # fmt: skip
+    selector = {
+        "candidate_selector.predecessor_codebook": (V, 256),  # bare tensors, no ".weight"
+        "candidate_selector.successor_codebook": (V, 256),
+        "candidate_selector.hidden_projection.weight": (256, H),
+    }
+    assert set(shapes) == expected_names(2) | set(conv) | set(selector)
+    assert {k: shapes[k] for k in conv | selector} == conv | selector
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["architectures"] == ["DFlash2DraftModel"] and cfg["model_type"] == "qwen3"
+    fields = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+    assert [cfg["dflash_config"][k] for k in fields] == [2, 16, 256, 16]
+    loaded = load_drafter(tmp_path, d.embed_tokens.weight, d.lm_head.weight)
+    assert loaded.config == d.config
+    assert torch.equal(forward(loaded), forward(d))
+    for name, tensor in d.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name
+
+
+@pytest.mark.parametrize(
+    "saved, claimed, message",
+    [
+        ("dflash2", "dflash", r"unexpected weights \['candidate_selector.hidden_projection"),
+        ("dflash", "dflash2", r"missing weights \['layers.0.attention_conv.base_kernel'"),
+    ],
+)
+def test_tensors_of_another_architecture_are_refused(tmp_path, saved, claimed, message):
+    d = dflash2_drafter() if saved == "dflash2" else drafter()
+    save_drafter(d, tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["architectures"] = [ARCHITECTURES[claimed]]
+    cfg["dflash_config"].update(conv_kernel_size=2, conv_group_size=16, selector_rank=8,
+                                selector_top_k=4)  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    refusal = f"safetensors: tensors do not match the {ARCHITECTURES[claimed]} of .*config.json"
+    with pytest.raises(DataError, match=f"{refusal}: .*{message}"):
+        load_drafter(tmp_path, d.embed_tokens.weight, d.lm_head.weight)
+
+
+def test_dflash2_fields_are_required_of_a_dflash2_config(tmp_path):
+    save_drafter(dflash2_drafter(), tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    del cfg["dflash_config"]["selector_top_k"]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(DataError, match="config.json: missing key 'selector_top_k'"):
+        load_drafter(tmp_path, torch.zeros(V, H), torch.zeros(V, H))
+
+
+def test_a_scaled_input_embedding_is_declared_for_the_official_loop(tmp_path):
+    """The official loop embeds the block as raw rows x dflash_config.input_embedding_scale
+    (default 1); engines call the target's embedding module, which scales (Gemma: sqrt(H))."""
+    d = drafter()
+    save_drafter(d, tmp_path)
+    assert (
+        "input_embedding_scale"
+        not in json.loads((tmp_path / "config.json").read_text())["dflash_config"]
+    )
+    d.embed_scale = H**0.5
+    save_drafter(d, tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["dflash_config"]["input_embedding_scale"] == H**0.5

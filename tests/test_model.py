@@ -103,6 +103,10 @@ def test_config_takes_sizes_and_rope_scaling_from_the_target():
         ({"layer_types": ["sliding_attention"] * 5}, "sliding_window > 0, got None"),
         ({"layer_types": ["full_attention"]}, "layer_types has 1 entries"),
         ({"mask_token_id": 128}, "mask_token_id 128"),
+        ({"architecture": "eagle3"}, "architecture 'eagle3' is not one of"),
+        ({"architecture": "dflash2", "conv_group_size": 24}, "conv_group_size 24 does not divide"),
+        ({"architecture": "dflash2", "selector_top_k": 129}, "selector_top_k 129 is above"),
+        ({"architecture": "dflash2", "selector_rank": 0}, "selector_rank must be >= 1"),
     ],
 )
 def test_config_errors_name_the_value(kw, message):
@@ -346,3 +350,84 @@ def test_the_window_cuts_context_only_where_it_is_longer():
     torch.testing.assert_close(outs[6][0], outs[1000][0])  # context 0..1: inside both windows
     assert (outs[6][1] - outs[1000][1]).abs().max() > 1e-3  # context 0..29: cut at 6
     assert (outs[None][0] - outs[1000][0]).abs().max() > 1e-3
+
+
+def dflash2_drafter(identity: bool = True, seed: int = 0) -> Drafter:
+    """tiny_drafter's shape and seed as DFlash2 (groups of 16, rank 8, top 4); `identity`: as
+    initialised, else random convolutions (tap 1 reads the slot before) and selector."""
+    d = tiny_drafter(seed=seed)
+    config = d.config.__class__(**{**d.config.__dict__, "architecture": "dflash2",
+                                   "selector_rank": 8, "selector_top_k": 4})  # fmt: skip
+    torch.manual_seed(seed)
+    d2 = Drafter(config, d.embed_tokens.weight, d.lm_head.weight)
+    if not identity:
+        with torch.no_grad():
+            for name, p in d2.named_parameters():
+                if "_conv." in name or name.startswith("candidate_selector."):
+                    p.normal_(0.0, 0.3)
+    return d2
+
+
+def test_dflash2_at_step_0_is_the_dflash_drafter():
+    d, d2, batch = tiny_drafter(), dflash2_drafter(), packed()
+    mine = d2.state_dict()
+    for name, tensor in d.state_dict().items():  # the same backbone from the same seed
+        assert torch.equal(mine[name], tensor), name
+    names = {
+        n.split(".", 2)[-1] if n.startswith("layers.") else n
+        for n in set(mine) - set(d.state_dict())
+    }
+    assert names == {
+        "attention_conv.base_kernel", "attention_conv.kernel_projection.weight",
+        "mlp_conv.base_kernel", "mlp_conv.kernel_projection.weight",
+        "candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook",
+        "candidate_selector.hidden_projection.weight",
+    }  # fmt: skip
+    anchors = [3, 5, 8, 13, 16, 19]
+    with torch.no_grad():
+        hidden = run(d2, batch, anchors)
+        assert torch.equal(hidden, run(d, batch, anchors))  # identity convolutions, exactly
+        logits = d2.lm_head(hidden[:, 1:])
+        anchor_ids = batch["input_ids"][torch.tensor(anchors)]
+        path, _, scores = d2.candidate_selector.walk(hidden[:, 1:], logits, anchor_ids)
+    assert torch.equal(path, logits.argmax(-1))  # zero successor codebook: the unary argmax
+    assert torch.equal(scores, logits.topk(4, dim=-1).values)
+
+
+def test_dflash2_convolutions_never_read_across_a_block():
+    """Packed blocks side by side in one forward, each block alone: the same states. A tap that
+    read the slot before across a boundary would feed block b's last slot into block b+1."""
+    d, batch = dflash2_drafter(identity=False), packed()
+    anchors = [3, 5, 8, 13, 16, 19]
+    with torch.no_grad():
+        together = run(d, batch, anchors)
+        for b, a in enumerate(anchors):
+            torch.testing.assert_close(together[b], run(d, batch, [a])[0], atol=1e-5, rtol=1e-5)
+        # the control: the taps act inside a block (the slot before matters)
+        without = dflash2_drafter(identity=False)
+        for layer in without.layers:
+            for conv in (layer.attention_conv, layer.mlp_conv):
+                conv.base_kernel[:, 1:] = 0
+                conv.kernel_projection.weight.view(2, 2, -1, H)[:, 1:] = 0
+        assert (run(without, batch, anchors) - together).abs().max() > 1e-2
+
+
+def test_dflash2_gradients_reach_the_convolutions_and_the_successor_codebook():
+    """From the identity start: the unary loss trains every convolution weight, and a
+    selector term the successor codebook (the other two factors start with a zero gradient,
+    as the successor codebook is zero)."""
+    d, batch = dflash2_drafter(), packed()
+    anchors = torch.tensor([3, 5, 8, 13, 16, 19])
+    keep = torch.ones(6, dtype=torch.bool)
+    hidden = run(d, batch, anchors.tolist())
+    labels, valid = block_labels(
+        batch["input_ids"], batch["document_ids"], batch["loss_mask"], anchors, keep, 4
+    )
+    loss, _ = dflash_loss(hidden, d.lm_head.weight, labels, valid, gamma=4.0)
+    previous = torch.cat([batch["input_ids"][anchors][:, None], labels[:, 1:-1]], 1)  # (A, B-1)
+    candidates = d.lm_head(hidden[:, 1:]).topk(4, dim=-1).indices  # (A, B-1, K)
+    edges = d.candidate_selector.edge_scores(hidden[:, 1:], previous.clamp(min=0), candidates)
+    (loss + edges.square().sum() + edges.sum()).backward()
+    for name, p in d.named_parameters():
+        if "_conv." in name or name.endswith("successor_codebook"):
+            assert p.grad is not None and p.grad.abs().sum() > 0, name

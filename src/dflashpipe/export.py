@@ -1,10 +1,16 @@
-"""Export and load a drafter in the layout of the published DFlash checkpoints.
+"""Export and load a drafter in the layout of the published DFlash and DFlash2 checkpoints.
 
-    <dir>/config.json        architectures ["DFlashDraftModel"], model_type "qwen3", block_size,
-                             num_target_layers, dflash_config {mask_token_id, target_layer_ids},
-                             layer_types, sliding_window, the Qwen3 sizes and RoPE fields
+    <dir>/config.json        architectures ["DFlashDraftModel"] (dflash2: ["DFlash2DraftModel"]),
+                             model_type "qwen3", block_size, num_target_layers,
+                             dflash_config {mask_token_id, target_layer_ids, block_size; dflash2:
+                             conv_kernel_size, conv_group_size, selector_rank, selector_top_k;
+                             input_embedding_scale where not 1}, layer_types, sliding_window,
+                             the Qwen3 sizes and RoPE fields
     <dir>/model.safetensors  layers.{i}.self_attn.{q,k,v,o}_proj.weight, ..., fc.weight,
-                             hidden_norm.weight, norm.weight (+ mask_embedding when learned)
+                             hidden_norm.weight, norm.weight (+ mask_embedding when learned);
+                             dflash2: layers.{i}.{attention,mlp}_conv.base_kernel (2, K, H) and
+                             .kernel_projection.weight (2*K*H/group, H), candidate_selector.
+                             {predecessor,successor}_codebook (V, R) bare, .hidden_projection.weight
     <dir>/mask_embedding.pt  a learned mask embedding again, where SGLang and vLLM read it:
                              torch.save({"embedding": (H,) tensor, "mask_token_id": int})
 
@@ -24,25 +30,33 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from dflashpipe.errors import DataError
-from dflashpipe.model import FROZEN_PREFIXES, Drafter, DrafterConfig
+from dflashpipe.model import DFLASH2_FIELDS, FROZEN_PREFIXES, Drafter, DrafterConfig
 from dflashpipe.storage import atomic_path, write_json
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 MASK_EMBEDDING_NAME = "mask_embedding.pt"
 ARCHITECTURE = "DFlashDraftModel"
+ARCHITECTURES = {"dflash": ARCHITECTURE, "dflash2": "DFlash2DraftModel"}  # config -> config.json
 
 
-def config_to_dict(config: DrafterConfig, dtype: torch.dtype) -> dict:
-    """config.json of the published drafters; readable as a transformers Qwen3Config too."""
+def config_to_dict(config: DrafterConfig, dtype: torch.dtype, embed_scale: float = 1.0) -> dict:
+    """config.json of the published drafters; readable as a transformers Qwen3Config too.
+    `embed_scale`: the target's input embedding scale (model.input_embedding_scale)."""
     rope = dict(config.rope_parameters)
     dflash = {"mask_token_id": config.mask_token_id, "target_layer_ids": config.target_layer_ids}
     dflash["block_size"] = config.block_size  # newer loaders read it here, older at the top level
     if config.learned_mask_embedding:
         dflash["learned_mask_embedding"] = True
+    if config.dflash2:
+        dflash |= {name: getattr(config, name) for name in DFLASH2_FIELDS}
+    if embed_scale != 1.0:
+        # The official loop embeds the block with the raw embedding rows times this (default 1),
+        # where engines call the target's embedding module, which scales (Gemma: sqrt(H)).
+        dflash["input_embedding_scale"] = embed_scale
     dtype_name = str(dtype).removeprefix("torch.")
     return {
-        "architectures": [ARCHITECTURE],
+        "architectures": [ARCHITECTURES[config.architecture]],
         "model_type": "qwen3",
         "block_size": config.block_size,
         "num_target_layers": config.num_target_layers,
@@ -76,10 +90,15 @@ def config_to_dict(config: DrafterConfig, dtype: torch.dtype) -> dict:
 
 def config_from_dict(d: dict, origin: str = CONFIG_NAME) -> DrafterConfig:
     """Inverse of `config_to_dict`; accepts the published checkpoints' variants as well."""
-    if ARCHITECTURE not in (d.get("architectures") or []):
-        raise DataError(f"{origin}: architectures {d.get('architectures')} lack {ARCHITECTURE}")
+    known = [a for a, name in ARCHITECTURES.items() if name in (d.get("architectures") or [])]
+    if len(known) != 1:
+        raise DataError(
+            f"{origin}: architectures {d.get('architectures')} lack "
+            f"{' or '.join(ARCHITECTURES.values())} (expected exactly one)"
+        )
     dflash = d.get("dflash_config") or {}
     try:
+        dflash2 = {name: dflash[name] for name in DFLASH2_FIELDS} if known[0] == "dflash2" else {}
         rope = d.get("rope_parameters") or {
             "rope_type": "default",
             **(d.get("rope_scaling") or {}),
@@ -103,6 +122,8 @@ def config_from_dict(d: dict, origin: str = CONFIG_NAME) -> DrafterConfig:
             layer_types=d.get("layer_types"),
             sliding_window=d.get("sliding_window"),
             learned_mask_embedding=bool(dflash.get("learned_mask_embedding", False)),
+            architecture=known[0],
+            **dflash2,
         )
     except KeyError as e:
         raise DataError(f"{origin}: missing key {e.args[0]!r} of a DFlash drafter config") from None
@@ -120,7 +141,7 @@ def save_drafter(drafter: Drafter, out_dir: str | Path, dtype: torch.dtype | Non
     with atomic_path(out_dir / WEIGHTS_NAME) as tmp:
         save_file(tensors, str(tmp), metadata={"format": "pt"})
     save_mask_embedding(out_dir, drafter.config, tensors.get("mask_embedding"))
-    write_json(out_dir / CONFIG_NAME, config_to_dict(drafter.config, dtype))
+    write_json(out_dir / CONFIG_NAME, config_to_dict(drafter.config, dtype, drafter.embed_scale))
     return out_dir
 
 
@@ -171,6 +192,7 @@ def load_drafter(
     missing = [k for k in missing if not k.startswith(FROZEN_PREFIXES)]
     if missing or unexpected:
         raise DataError(
-            f"{weights_file}: missing weights {missing}, unexpected weights {unexpected}"
+            f"{weights_file}: tensors do not match the {ARCHITECTURES[config.architecture]} of "
+            f"{config_file}: missing weights {missing}, unexpected weights {unexpected}"
         )
     return drafter

@@ -6,9 +6,11 @@
     out = norm(x)  ->  the target's LM head gives the logits; slot k predicts x_{a+k}
 
 The layer is the Qwen3 one (per-head q/k RMSNorm) whatever the target family, because published
-DFlash drafters and their loaders (`model_type: qwen3`) expect it. The target's embedding and LM
-head are held frozen; they are never trained or exported. The state dict names match the published
-checkpoints, so export is `state_dict()` minus `embed_tokens.*` and `lm_head.*`.
+DFlash drafters and their loaders (`model_type: qwen3`) expect it. `architecture: dflash2` adds a
+block-local dynamic convolution around each sublayer and a candidate selector (`dflash2.py`).
+The target's embedding and LM head are held frozen; they are never trained or exported. The state
+dict names match the published checkpoints, so export is `state_dict()` minus `embed_tokens.*` and
+`lm_head.*`.
 """
 
 from __future__ import annotations
@@ -28,11 +30,14 @@ from transformers.models.qwen3.modeling_qwen3 import (
 )
 
 from dflashpipe import layout
+from dflashpipe.dflash2 import CandidateSelector, DynamicConv
 from dflashpipe.errors import ConfigError
 from dflashpipe.layout import default_target_layer_ids
 from dflashpipe.masks import Mask, attend, build_masks
 
 LAYER_TYPES = (layout.FULL, layout.SLIDING)
+ARCHITECTURES = ("dflash", "dflash2")
+DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 FROZEN_PREFIXES = ("embed_tokens.", "lm_head.")
 
 
@@ -65,6 +70,15 @@ class DrafterConfig:
     layer_types: list[str] | None = None  # None: layout.layer_types (window on all but the last)
     sliding_window: int | None = None
     learned_mask_embedding: bool = False  # opt-in; published loaders use the target's row
+    architecture: str = "dflash"  # or "dflash2": the convolutions and selector of dflash2.py
+    conv_kernel_size: int = 2  # dflash2: taps per convolution (the slot and the one before)
+    conv_group_size: int = 16  # dflash2: channels sharing one dynamic scalar per tap
+    selector_rank: int = 256  # dflash2: rank of the selector's transition scores
+    selector_top_k: int = 16  # dflash2: candidates per drafted slot
+
+    @property
+    def dflash2(self) -> bool:
+        return self.architecture == "dflash2"
 
     def __post_init__(self) -> None:
         if self.target_layer_ids is None:
@@ -112,6 +126,27 @@ class DrafterConfig:
             )
         if "rope_theta" not in self.rope_parameters:
             raise ConfigError(f"rope_parameters {self.rope_parameters} lack rope_theta")
+        if self.architecture not in ARCHITECTURES:
+            raise ConfigError(
+                f"drafter architecture {self.architecture!r} is not one of {ARCHITECTURES}"
+            )
+        if self.dflash2:
+            self._validate_dflash2()
+
+    def _validate_dflash2(self) -> None:
+        for name in DFLASH2_FIELDS:
+            if getattr(self, name) < 1:
+                raise ConfigError(f"drafter {name} must be >= 1, got {getattr(self, name)}")
+        if self.hidden_size % self.conv_group_size:
+            raise ConfigError(
+                f"drafter conv_group_size {self.conv_group_size} does not divide hidden_size "
+                f"{self.hidden_size}"
+            )
+        if self.selector_top_k > self.vocab_size:
+            raise ConfigError(
+                f"drafter selector_top_k {self.selector_top_k} is above the vocabulary size "
+                f"{self.vocab_size}"
+            )
 
     @classmethod
     def from_target(
@@ -125,8 +160,10 @@ class DrafterConfig:
         layer_types: list[str] | None = None,
         sliding_window: int | None = None,
         learned_mask_embedding: bool = False,
+        **dflash2,
     ) -> DrafterConfig:
-        """Size a drafter like the target (any HF causal LM config, multimodal ones included)."""
+        """Size a drafter like the target (any HF causal LM config, multimodal ones included).
+        `dflash2`: architecture and the DFLASH2_FIELDS, where not the defaults."""
         tc = target_config.get_text_config()
         heads = tc.num_attention_heads
         return cls(
@@ -147,6 +184,7 @@ class DrafterConfig:
             layer_types=layer_types,
             sliding_window=sliding_window,
             learned_mask_embedding=learned_mask_embedding,
+            **dflash2,
         )
 
     @property
@@ -271,13 +309,27 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.dropout = 0.0  # residual dropout while training (train.dropout); not exported
+        self.block_size = config.block_size
+        self.attention_conv = self.mlp_conv = None  # DFlash2's convolutions (dflash2.DynamicConv)
+        if config.dflash2:
+            H, K, S = config.hidden_size, config.conv_kernel_size, config.conv_group_size
+            self.attention_conv = DynamicConv(H, K, S)
+            self.mlp_conv = DynamicConv(H, K, S)
 
     def forward(
         self, x: Tensor, ctx: Tensor, rope: tuple[Tensor, Tensor], masks: dict[int | None, Mask]
     ) -> Tensor:
+        """x (Q, H): whole blocks of block_size slots, one after another."""
         # The context is not re-normalized per layer: it was normalized once by hidden_norm.
-        x = x + self._drop(self.self_attn(self.input_layernorm(x), ctx, rope, masks))
-        return x + self._drop(self.mlp(self.post_attention_layernorm(x)))
+        if self.attention_conv is None:
+            x = x + self._drop(self.self_attn(self.input_layernorm(x), ctx, rope, masks))
+            return x + self._drop(self.mlp(self.post_attention_layernorm(x)))
+        blocks = (-1, self.block_size, x.shape[-1])  # the convolutions run per block
+        h, dyn = self.attention_conv.before(self.input_layernorm(x).view(blocks))  # (A, B, H)
+        h = self.self_attn(h.flatten(0, 1), ctx, rope, masks).view(blocks)
+        x = x + self._drop(self.attention_conv.after(h, dyn).flatten(0, 1))
+        h, dyn = self.mlp_conv.before(self.post_attention_layernorm(x).view(blocks))
+        return x + self._drop(self.mlp_conv.after(self.mlp(h), dyn).flatten(0, 1))
 
     def _drop(self, h: Tensor) -> Tensor:
         return nn.functional.dropout(h, self.dropout, self.training) if self.dropout else h
@@ -319,6 +371,10 @@ class Drafter(nn.Module):
             # Starts as the target's mask row, so the opt-in changes nothing at step 0.
             row = embed_weight[config.mask_token_id].detach() * embed_scale
             self.mask_embedding = nn.Parameter(row.to(self.fc.weight.dtype))
+        if config.dflash2:
+            self.candidate_selector = CandidateSelector(
+                V, H, config.selector_rank, config.selector_top_k
+            )
         self.reset_parameters()
 
     @classmethod
@@ -330,12 +386,20 @@ class Drafter(nn.Module):
                    input_embedding_scale(target))  # fmt: skip
 
     def reset_parameters(self) -> None:
-        # HF Qwen3 initialization: normal(0, 0.02) linear weights, unit norm weights.
+        # HF Qwen3 initialization: normal(0, 0.02) linear weights, unit norm weights. DFlash2's
+        # modules draw after the backbone, so a seed gives a dflash2 drafter the backbone of the
+        # dflash one, and identity convolutions make it that drafter exactly (dflash2.py).
+        extra = (DynamicConv, CandidateSelector)
+        skip = {id(p) for m in self.modules() if isinstance(m, extra) for p in m.parameters()}
         for name, module in self.named_modules():
             if isinstance(module, nn.Linear) and not name.startswith("lm_head"):
-                nn.init.normal_(module.weight, std=0.02)
+                if id(module.weight) not in skip:
+                    nn.init.normal_(module.weight, std=0.02)
             elif isinstance(module, Qwen3RMSNorm):
                 nn.init.ones_(module.weight)
+        for module in self.modules():
+            if isinstance(module, extra):
+                module.reset_parameters()
 
     def trainable_state_dict(self) -> dict[str, Tensor]:
         """The exported weights: everything but the target's frozen embedding and LM head."""
