@@ -1,5 +1,6 @@
 """The train stage on CPU through torchrun (gloo): export, resume after a kill, refusals."""
 
+import dataclasses
 import json
 import math
 import re
@@ -685,6 +686,72 @@ def test_drafter_sliding_window_is_trained_and_exported(tmp_path, tiny_features)
     cfg = json.loads((out / "drafter" / "config.json").read_text())
     assert cfg["layer_types"] == ["sliding_attention", "full_attention"]
     assert (cfg["sliding_window"], cfg["use_sliding_window"]) == (16, True)
+
+
+# Issue 63: a DFlash2 drafter trains on the unary loss plus the selector's, reports the
+# selector's figures beside the unary ones, and exports what the official package loads.
+SELECTOR_KEYS = ("unary_accuracy", "top_k_recall", "selector_accuracy", "selector_slot_accuracy",
+                 "selector_expected_acceptance", "unary_loss", "selector_loss")  # fmt: skip
+
+
+def test_dflash2_trains_reports_its_selector_and_exports_for_the_official_loader(
+    tmp_path, tiny_features, caplog
+):
+    """drafter.architecture dflash2 (top 4, rank 8) with train.selector's warm-up and ramp: the
+    loss falls, every metrics row and held-out row carries the selector's figures, the export
+    loads in dflash==0.1.0 taking every tensor; weight decay spares the base kernels; a resume
+    across architectures is refused naming the weights, and an architecture edit trains afresh."""
+    from test_official import load_official
+
+    from dflashpipe.model import Drafter
+    from dflashpipe.train import check_resumed_keys, decay_groups, run
+
+    raw = json.loads(json.dumps(tiny_features["raw"]))
+    raw["drafter"].update(architecture="dflash2", selector_top_k=4, selector_rank=8)
+    raw["train"].update(max_steps=10, log_every=2, val_samples=4, val_every=5, weight_decay=0.01,
+                        selector={"warmup_steps": 2, "ramp_steps": 2,
+                                  "outside_top_k": "replace"})  # fmt: skip
+    out = tmp_path / "d2"
+    paths = TrainPaths(Path("unused.yaml"), tiny_features["manifest"], out / "run",
+                       out / "drafter", out / "metrics.jsonl")  # fmt: skip
+    trainer = run(Config.from_dict(raw), paths, torch.device("cpu"))
+    assert [trainer.selector.alpha_at(s) for s in range(5)] == [0, 0, 0.5, 1, 1]
+    rows = _rows(out / "metrics.jsonl")
+    assert rows[-1]["unary_loss"] < rows[0]["unary_loss"] == rows[0]["loss"]  # alpha 0 at first
+    assert rows[-1]["selector_loss"] < rows[0]["selector_loss"]
+    assert rows[-1]["loss"] == pytest.approx(rows[-1]["unary_loss"] + rows[-1]["selector_loss"])
+    for row in rows:
+        assert all(k in row for k in SELECTOR_KEYS), row
+        assert len(row["selector_slot_accuracy"]) == 7 and row["selector_expected_acceptance"] >= 1
+        assert 0 <= row["selector_accuracy"] <= row["top_k_recall"] <= 1
+    measured = [r for r in rows if "val_loss" in r]
+    assert [r["step"] for r in measured] == [5, 10]
+    assert all(f"val_{k}" in r for r in measured for k in SELECTOR_KEYS)
+    cfg = json.loads((out / "drafter" / "config.json").read_text())
+    assert cfg["architectures"] == ["DFlash2DraftModel"]
+    assert cfg["dflash_config"]["selector_top_k"] == 4
+    load_official(out / "drafter", "dflash2")
+    groups = decay_groups(trainer.drafter)
+    kernels = [p for n, p in trainer.drafter.named_parameters() if n.endswith(".base_kernel")]
+    assert kernels and all(any(p is k for p in groups[1]["params"]) for k in kernels)
+    assert groups[1]["weight_decay"] == 0.0
+    codebook = trainer.drafter.candidate_selector.successor_codebook
+    assert any(p is codebook for p in groups[0]["params"])
+    # a checkpoint of one architecture into a drafter of the other, either way: refused
+    state = trainer.drafter.trainable_state_dict()
+    d = trainer.drafter
+    dflash = Drafter(dataclasses.replace(trainer.dcfg, architecture="dflash"),
+                     d.embed_tokens.weight, d.lm_head.weight)  # fmt: skip
+    with pytest.raises(DataError, match=r"does not \[.*'layers.0.attention_conv.base_kernel'"):
+        check_resumed_keys(dflash.load_state_dict(state, strict=False), out / "ckpt")
+    with pytest.raises(DataError, match=r"it lacks \[.*'candidate_selector.predecessor_codebook'"):
+        check_resumed_keys(d.load_state_dict(dflash.trainable_state_dict(), strict=False), "x")
+    raw["drafter"] = tiny_features["raw"]["drafter"]
+    raw["train"].pop("selector")
+    with caplog.at_level("WARNING", logger="dflashpipe.train"):
+        again = Trainer(Config.from_dict(raw), tiny_features["manifest"], out / "run",
+                        torch.device("cpu"))  # fmt: skip
+    assert again.step == 0 and "drafter.architecture, " in caplog.text
 
 
 # Issue 62: train.loss's objectives, D-PACE weights and greedy labels, and the target's whole

@@ -389,6 +389,54 @@ class DrafterShape:
     mask_token_id: int | None
     sliding_window: int | None
     init: str
+    # No schema default (unset stays out of train's digest): dflash, and for dflash2 the sizes
+    # of model.py's DrafterConfig where unset (2 / 16 / 256 / 16)
+    architecture: str = "dflash"
+    conv_kernel_size: int | None = None
+    conv_group_size: int | None = None
+    selector_rank: int | None = None
+    selector_top_k: int | None = None
+
+    def check(self) -> None:
+        if self.architecture != "dflash2" and (set_ := self.dflash2_sizes()):
+            key, value = next(iter(set_.items()))
+            raise ConfigError(
+                f"drafter.{key} is {value} with drafter.architecture {self.architecture}: it "
+                "sizes a DFlash2 drafter's convolutions or selector, which a dflash drafter "
+                "does not have; set drafter.architecture: dflash2, or leave the key out"
+            )
+
+    def dflash2_sizes(self) -> dict[str, int]:
+        """The DFlash2 sizes set in the config (unset ones take DrafterConfig's defaults)."""
+        return {k: v for k in DFLASH2_SIZES if (v := getattr(self, k)) is not None}
+
+    def model_fields(self) -> dict:
+        """DrafterConfig.from_target's architecture keywords: the architecture and its sizes."""
+        return {"architecture": self.architecture, **self.dflash2_sizes()}
+
+
+DFLASH2_SIZES = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+
+
+@section("properties", "train", "properties", "selector")
+class SelectorConfig:
+    """train.selector: the DFlash2 selector's loss term (loss.selector_loss); keys, defaults and
+    their meaning: the schema's `train.selector`."""
+
+    alpha: float
+    warmup_steps: int
+    ramp_steps: int
+    stop_gradient: bool
+    outside_top_k: str  # skip | replace
+
+    def alpha_at(self, step: int) -> float:
+        """alpha at optimizer step `step` (0-based): 0 through the warm-up, then rising
+        linearly over ramp_steps (alpha / ramp_steps at the first), then alpha."""
+        if step < self.warmup_steps:
+            return 0.0
+        if not self.ramp_steps:
+            return self.alpha
+        return self.alpha * min(1.0, (step - self.warmup_steps + 1) / self.ramp_steps)
 
 
 @section("properties", "train", "properties", "loss")
@@ -466,10 +514,15 @@ class TrainConfig:
     answers_per_prompt: int | None  # answers 0..n-1 of each prompt only (data scaling); None: all
     # No schema default for the section (unset stays out of train's digest): today's loss
     loss: LossConfig = field(default_factory=lambda: LossConfig())
+    # No schema default (unset stays out of train's digest); None: unset, a dflash2 drafter
+    # trains with SelectorConfig's defaults, a dflash drafter refuses it set (preflight)
+    selector: SelectorConfig | None = None
 
     def check(self) -> None:
         if isinstance(self.loss, dict):
             self.loss = LossConfig(**self.loss)
+        if isinstance(self.selector, dict):
+            self.selector = SelectorConfig(**self.selector)
         if self.distill_weight + self.rank_weight > 1:
             raise ConfigError(
                 f"train.distill_weight {self.distill_weight} + train.rank_weight "

@@ -102,6 +102,13 @@ class CandidateSelector(nn.Module):
         """The greedy path from the anchor: hidden (N, S, H) and logits (N, S, V) of the S drafted
         slots, anchor (N,) -> path (N, S) ids, candidates (N, S, K) ids, scores (N, S, K)."""
         unary, candidates = torch.topk(logits, self.top_k, dim=-1)  # (N, S, K)
+        return self.walk_top_k(hidden, unary, candidates, anchor)
+
+    def walk_top_k(
+        self, hidden: Tensor, unary: Tensor, candidates: Tensor, anchor: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """`walk` given each slot's unary top K, logits and ids (N, S, K) (training's loss finds
+        them chunk by chunk, never holding (N, S, V) logits)."""
         previous, path, scores = anchor, [], []
         for p in range(hidden.shape[-2]):
             s = unary[:, p] + self.edge_scores(hidden[:, p], previous, candidates[:, p])  # (N, K)

@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -175,6 +176,7 @@ def dflash_loss(
     kl_temperature: float = 1.0,
     target_hidden: Tensor | None = None,
     target_softcap: float | None = None,
+    top_k: int = 0,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """The weighted block loss of the drafter's outputs (module docstring), and metrics as
     tensors (no host sync).
@@ -187,7 +189,9 @@ def dflash_loss(
     module docstring); cross-entropy takes 1 - distill_weight - rank_weight. weighting "decay"
     (gamma) or "dpace" (dpace_mix); objective "cross_entropy" or "expected_length";
     kl_temperature: the KL's T. Returns the scalar float32 loss and {"slot_accuracy": (B-1,),
-    "acceptance_length": (), "slot_labels": (B-1,) valid-label counts}. compile: default on CUDA.
+    "acceptance_length": (), "slot_labels": (B-1,) valid-label counts}, and with top_k > 0
+    "top_k": UnaryTopK, each row's top_k unary logits found inside the chunks (what
+    selector_loss ranks; no (N, V) logits exist). compile: default on CUDA.
     """
     check_loss_arguments(lm_head_weight, soft, distill_weight, rank_weight, rank_k, weighting,
                          dpace_mix, objective, kl_temperature, target_hidden)  # fmt: skip
@@ -203,7 +207,7 @@ def dflash_loss(
     # (d, r, rank_k, T, overlap, softcap): fixed per run, so one compiled kernel per run
     terms = (float(distill_weight), float(rank_weight), int(rank_k), float(kl_temperature),
              weighting == "dpace" and distill_weight > 0,
-             float(target_softcap) if target_softcap else None)  # fmt: skip
+             float(target_softcap) if target_softcap else None, int(top_k))  # fmt: skip
     decay = slot_weights(B, gamma, hidden.device)[1:] * valid  # (A, B-1)
 
     def weigh(losses: Tensor, acceptance: Tensor) -> tuple[Tensor, Tensor]:
@@ -217,10 +221,13 @@ def dflash_loss(
         return (w * losses).sum(), w
 
     compile = hidden.is_cuda if compile is None else compile
-    loss, correct = _LinearCrossEntropy.apply(
+    loss, correct, *top = _LinearCrossEntropy.apply(
         rows, lm_head_weight, labels[:, 1:].flatten(), chunk_rows, compile, target, terms, weigh
     )
-    return loss, slot_metrics(correct.view(A, B - 1), valid)
+    metrics: dict = slot_metrics(correct.view(A, B - 1), valid)
+    if top_k:
+        metrics["top_k"] = UnaryTopK(*top)
+    return loss, metrics
 
 
 def check_loss_arguments(
@@ -356,33 +363,40 @@ class _LinearCrossEntropy(torch.autograd.Function):
         acceptance = torch.empty_like(losses)
         correct = torch.empty(N + pad, device=rows.device, dtype=torch.bool)
         grad = torch.empty_like(rows_p) if need_grad else None  # the one (N, H) buffer
+        K = terms[-1]  # the unary top K a DFlash2 selector ranks: (N, K) logits, ids; (N,) label's
+        top = (torch.empty(N + pad, K, device=rows.device), torch.empty(N + pad, K, device=rows.device,
+               dtype=torch.long), torch.empty_like(losses)) if K else ()  # fmt: skip
         for s in range(0, N + pad, chunk_rows):
             e = s + chunk_rows
-            losses[s:e], acceptance[s:e], correct[s:e], chunk_grad = kernel(
+            losses[s:e], acceptance[s:e], correct[s:e], chunk_grad, *chunk_top = kernel(
                 rows_p[s:e], weight, labels_p[s:e], *(t[s:e] for t in soft)
             )
             if need_grad:
                 grad[s:e] = chunk_grad
+            for buffer, part in zip(top, chunk_top, strict=True):
+                buffer[s:e] = part
         loss, row_weights = weigh(losses[:N], acceptance[:N])  # (), (N,): on device, no sync
         if need_grad:
             grad = grad[:N].mul_(row_weights[:, None])  # in place: no second (N, H) buffer
         ctx.save_for_backward(grad)
-        ctx.mark_non_differentiable(correct)
-        return loss, correct[:N]
+        top = tuple(t[:N] for t in top)
+        ctx.mark_non_differentiable(correct, *top)
+        return loss, correct[:N], *top
 
     @staticmethod
-    def backward(ctx, grad_loss, grad_correct):
+    def backward(ctx, grad_loss, *_):
         (grad,) = ctx.saved_tensors
         return grad * grad_loss.to(grad.dtype), *[None] * 7
 
 
 def _chunk_loss(
     rows: Tensor, weight: Tensor, labels: Tensor, need_grad: bool,
-    terms: tuple = (0.0, 0.0, 8, 1.0, False, None), *target: Tensor,
+    terms: tuple = (0.0, 0.0, 8, 1.0, False, None, 0), *target: Tensor,
 ):  # fmt: skip
     """One chunk's (c,) losses, (c,) acceptances, (c,) correct and (c, H) unweighted gradient;
-    target: _LinearCrossEntropy's, this chunk's rows of it."""
-    distill_weight, rank_weight, rank_k, T, overlap, softcap = terms
+    target: _LinearCrossEntropy's, this chunk's rows of it. With top_k (terms' last) > 0, also
+    the chunk's unary top-K logits (c, K) and ids (c, K) and the label's logit (c,)."""
+    distill_weight, rank_weight, rank_k, T, overlap, softcap, top_k = terms
     hard = 1 - distill_weight - rank_weight
     logits = (rows @ weight.T).float()  # (c, V)
     lse = logits.logsumexp(-1)  # (c,)
@@ -419,8 +433,9 @@ def _chunk_loss(
         margin = kth[:, -1] - picked  # (c,)
         per_row = per_row + rank_weight * F.softplus(margin)
     correct = logits.argmax(-1) == labels
+    top = (*logits.topk(top_k, -1), picked) if top_k else ()  # (c, K), (c, K), (c,)
     if not need_grad:
-        return per_row, acceptance, correct, None
+        return per_row, acceptance, correct, None, *top
     # d CE / d logits = softmax - onehot(label); d T^2 KL / d logits = T (softmax(z / T) - p) on
     # the k ids, or every id for the whole distribution (p sums to 1); d rank / d logits = sigmoid(margin) (onehot(c) - onehot(label)).
     # At T = 1, mixed: (1 - r) softmax - (1 - d - r) onehot - d p + r sigmoid (onehot(c) - ...).
@@ -438,7 +453,7 @@ def _chunk_loss(
         push = rank_weight * torch.sigmoid(margin)[:, None]  # (c, 1)
         dlogits.scatter_add_(1, kth_ids[:, -1:], push)
         dlogits.scatter_add_(1, labels[:, None], -push)
-    return per_row, acceptance, correct, dlogits.to(rows.dtype) @ weight  # (c, H)
+    return per_row, acceptance, correct, dlogits.to(rows.dtype) @ weight, *top  # (c, H)
 
 
 def _chunk_kernel(need_grad: bool, compile: bool, terms: tuple, target: int) -> Callable:
@@ -452,3 +467,108 @@ def _chunk_kernel(need_grad: bool, compile: bool, terms: tuple, target: int) -> 
         # of each writing a (chunk, V) float32 tensor.
         _CHUNK_KERNELS[key] = torch.compile(kernel, dynamic=False) if compile else kernel
     return _CHUNK_KERNELS[key]
+
+
+# DFlash2's selector term (issue 63; DFLASH2.md, "How peers train it"). At drafted slot k the
+# selector scores each of the unary top K as its unary logit plus the selector's edge from the
+# previous token (teacher-forced: the true x_{a+k-1}, the anchor at k = 1); the loss is the
+# K-way cross-entropy of the gold token, slots weighted as the decay cross-entropy's.
+OUTSIDE_TOP_K = ("skip", "replace")
+
+
+class UnaryTopK(NamedTuple):
+    """Per loss row (N = A*(B-1)): the unary top K logits (N, K) float32 and ids (N, K), most
+    likely first, and the label's logit (N,) (what "replace" puts in the weakest place)."""
+
+    logits: Tensor
+    ids: Tensor
+    label_logit: Tensor
+
+
+def block_previous(input_ids: Tensor, anchors: Tensor, block_size: int) -> Tensor:
+    """(A, B) the token before each slot's: x_{a+k-1} (slot 1: the anchor x_a; slot 0 and
+    positions past the stream clamped, their slots are invalid)."""
+    at = anchors[:, None] - 1 + torch.arange(block_size, device=anchors.device)  # (A, B)
+    return input_ids[at.clamp(0, input_ids.shape[0] - 1)]
+
+
+def selector_loss(
+    selector: torch.nn.Module, hidden: Tensor, lm_head_weight: Tensor, labels: Tensor,
+    valid: Tensor, previous: Tensor, top: UnaryTopK, gamma: float, *,
+    outside_top_k: str = "skip", stop_gradient: bool = False, chunk_rows: int = 1024,
+) -> tuple[Tensor, dict[str, Tensor]]:  # fmt: skip
+    """The selector's K-way cross-entropy (float32 scalar) and its metrics (tensors, no sync).
+
+    hidden (A, B, H) the drafter's final states, as dflash_loss took them; labels, valid,
+    previous (A, B) (block_labels, block_previous); top: dflash_loss's UnaryTopK of the same
+    rows. outside_top_k: a gold token outside the top K "skip"s its slot (no loss) or
+    "replace"s the weakest candidate (its unary logit too). stop_gradient: the term trains the
+    selector only (hidden and the unary logits detached). Metrics (B-1,) per slot, over valid
+    labels: "top_k_hits" (gold in the unary top K), "selector_correct" (teacher-forced argmax is
+    gold), "path_correct" (the greedy walk from the anchor on its own choices is gold; a
+    block's chain is cut at its first miss when tau is computed), and "selector_loss" ()."""
+    if outside_top_k not in OUTSIDE_TOP_K:
+        raise ValueError(f"outside_top_k {outside_top_k!r} is not one of {OUTSIDE_TOP_K}")
+    A, B, H = hidden.shape
+    K = top.ids.shape[-1]
+    rows = hidden[:, 1:].reshape(-1, H)  # (N, H)
+    gold, ok = labels[:, 1:].flatten(), valid[:, 1:].flatten()  # (N,)
+    hits = top.ids == gold[:, None]  # (N, K)
+    inside = hits.any(-1)  # (N,)
+    ids, unary, where = top.ids, top.logits, hits.int().argmax(-1)  # where: gold's place
+    if outside_top_k == "replace":
+        weakest = torch.arange(K, device=ids.device) == K - 1  # (K,)
+        swap = ~inside[:, None] & weakest  # (N, K)
+        ids = torch.where(swap, gold[:, None], ids)
+        unary = torch.where(swap, top.label_logit[:, None], unary)
+        where = torch.where(inside, where, K - 1)
+        used = ok
+    else:
+        used = ok & inside
+    if stop_gradient:
+        rows = rows.detach()
+    elif torch.is_grad_enabled() and rows.requires_grad:  # the unary logits' gradient, chunked
+        unary = _CandidateLogits.apply(rows, lm_head_weight, ids, unary, chunk_rows)
+    scores = unary + selector.edge_scores(rows.float(), previous[:, 1:].flatten(), ids).float()
+    ce = F.cross_entropy(scores, where, reduction="none")  # (N,)
+    w = (slot_weights(B, gamma, hidden.device)[1:] * valid[:, 1:]).flatten() * used  # (N,)
+    loss = (w * ce).sum() / w.sum().clamp_min(1e-12)
+    with torch.no_grad():
+        chosen = scores.argmax(-1) == where  # (N,)
+        path = _walk(selector, rows, top, previous[:, 1], A, B)  # (A, B-1)
+        metrics = {
+            "selector_loss": loss.detach(),
+            "top_k_hits": (inside & ok).view(A, B - 1).sum(0),
+            "selector_correct": (chosen & inside & ok).view(A, B - 1).sum(0),
+            "path_correct": ((path.flatten() == gold) & ok).view(A, B - 1).sum(0),
+        }
+    return loss, metrics
+
+
+def _walk(selector, rows: Tensor, top: UnaryTopK, anchor: Tensor, A: int, B: int):
+    """The selector's greedy path over the B-1 drafted slots of each block (its own previous
+    choices, from the anchor), from the rows' unary top K: (A, B-1) path ids."""
+    h, K = rows.detach().float().view(A, B - 1, -1), top.ids.shape[-1]
+    unary, ids = top.logits.view(A, B - 1, K), top.ids.view(A, B - 1, K)
+    return selector.walk_top_k(h, unary, ids, anchor)[0]
+
+
+class _CandidateLogits(torch.autograd.Function):
+    """The unary logits of each row's candidates, z_ik = rows_i . W[ids_ik] (N, K), given as
+    `values` (found by the chunk kernel); backward gathers W's rows chunk by chunk, so at most
+    (chunk, K, H) of them exist."""
+
+    @staticmethod
+    def forward(ctx, rows, weight, ids, values, chunk_rows):
+        ctx.save_for_backward(weight, ids)
+        ctx.chunk_rows, ctx.dtype = chunk_rows, rows.dtype
+        return values.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        weight, ids = ctx.saved_tensors
+        out = torch.empty(ids.shape[0], weight.shape[1], device=grad.device, dtype=ctx.dtype)
+        for s in range(0, ids.shape[0], ctx.chunk_rows):
+            e = s + ctx.chunk_rows  # (c, K) x (c, K, H) -> (c, H)
+            out[s:e] = torch.einsum("ck,ckh->ch", grad[s:e].to(weight.dtype), weight[ids[s:e]])
+        return out, None, None, None, None

@@ -62,6 +62,39 @@ def expected_acceptance(slot_accuracy: list[float]) -> float:
     return float(1 + sum(np.cumprod(slot_accuracy)))
 
 
+def selector_width(block_size: int) -> int:
+    """Length of a DFlash2 drafter's selector sums: top-K hits, teacher-forced selector hits and
+    hits along the selector's path, (B-1) each, the unary loss and the selector loss."""
+    return 3 * (block_size - 1) + 2
+
+
+def selector_sums(m: dict) -> torch.Tensor:
+    """One micro-batch's selector sums (loss.selector_loss's metrics) as one device vector."""
+    return torch.cat([m["top_k_hits"], m["selector_correct"], m["path_correct"],
+                      m["unary_loss"][None], m["selector_loss"][None]]).float()  # fmt: skip
+
+
+def selector_row(sums: torch.Tensor, correct: torch.Tensor, labels: torch.Tensor, batches: int,
+                 prefix: str = "") -> dict:  # fmt: skip
+    """A DFlash2 drafter's metrics row keys, from summed selector_sums and the unary slot sums
+    (correct, labels (B-1,)): unary top-1 accuracy, top-K recall (gold among the unary top K),
+    selector accuracy (teacher-forced: the true previous token), the selector path's per-slot
+    accuracy (its greedy walk on its own choices) and the expected tau along it, by the formula
+    of the unary figure (expected_acceptance), and per micro-batch the unary loss (train.loss's
+    alone: `loss` adds alpha x the selector's) and the selector's K-way cross-entropy."""
+    S = len(labels)
+    total = labels.sum().clamp_min(1)
+    path = (sums[2 * S : 3 * S] / labels.clamp_min(1)).tolist()
+    row = {"unary_accuracy": correct.sum() / total, "top_k_recall": sums[:S].sum() / total,
+           "selector_accuracy": sums[S : 2 * S].sum() / total}  # fmt: skip
+    row = {k: round(v.item(), 4) for k, v in row.items()}
+    row |= {"selector_slot_accuracy": [round(a, 4) for a in path],
+            "selector_expected_acceptance": expected_acceptance(path),
+            "unary_loss": sums[-2].item() / batches,
+            "selector_loss": sums[-1].item() / batches}  # fmt: skip
+    return {prefix + k: v for k, v in row.items()}
+
+
 @dataclass(frozen=True)
 class RunFacts:
     """What the log knows of the run, fixed for its length (the trainer gives them once)."""
@@ -110,6 +143,7 @@ class MetricsLog:
         self.correct = torch.zeros(B - 1, device=dev)
         self.labels = torch.zeros(B - 1, device=dev)
         self.flops = torch.zeros((), device=dev, dtype=torch.float64)
+        self.selector: torch.Tensor | None = None  # a DFlash2 drafter's selector_sums
         self.n = 0
         self.start, self._paused_s = time.perf_counter(), 0.0
 
@@ -118,6 +152,9 @@ class MetricsLog:
         self.correct += m["slot_accuracy"] * m["slot_labels"]
         self.labels += m["slot_labels"]
         self.flops += m["flops"].double()
+        if "top_k_hits" in m:
+            sums = selector_sums(m)
+            self.selector = sums if self.selector is None else self.selector + sums
         self.n += 1
         if self.bad_samples is None:
             self.bad_samples = torch.full_like(m["sample_index"], -1)
@@ -146,6 +183,8 @@ class MetricsLog:
         vec = torch.cat([self.loss[None], self.correct, self.labels, self.flops.float()[None]])
         if f.world > 1:
             dist.all_reduce(vec)
+            if self.selector is not None:
+                dist.all_reduce(self.selector)
         elapsed = time.perf_counter() - self.start - self._paused_s
         B = f.block_size
         acc = (vec[1:B] / vec[B : 2 * B - 1].clamp_min(1)).tolist()
@@ -154,6 +193,8 @@ class MetricsLog:
                "lr": lr, "tokens_per_s": self.n * f.micro_batch_tokens * f.world / elapsed,
                "train_samples": len(f.samples), "train_tokens": f.train_tokens,
                **(validation or {})}  # fmt: skip
+        if self.selector is not None:  # dflash2: beside the unary figures, the selector's
+            row |= selector_row(self.selector, vec[1:B], vec[B : 2 * B - 1], self.n * f.world)
         peak = _peak_flops(f.device)
         if peak:
             row["mfu"] = vec[-1].item() / elapsed / (peak * f.world)
@@ -164,7 +205,8 @@ class MetricsLog:
                                  tok_s=f"{row['tokens_per_s']:.0f}", **({"mfu": f"{row['mfu']:.2f}"} if peak else {}))  # fmt: skip
             if self.tb is not None:
                 for k in ("loss", "expected_acceptance", "tokens_per_s", "lr", "val_loss",
-                          "val_expected_acceptance"):  # fmt: skip
+                          "val_expected_acceptance", "selector_expected_acceptance",
+                          "val_selector_expected_acceptance"):  # fmt: skip
                     if k in row:
                         self.tb.add_scalar(k, row[k], step)
         self._reset()

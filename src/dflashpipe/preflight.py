@@ -7,13 +7,15 @@
               a missing one is refused before any job can remove an output
            ─► config-only checks (drafter.sliding_window against train.max_length and the
               drafter's layers; target.chat_template a template, a file, auto or none; a
-              train.loss that needs the target's distribution against what extract stores)
+              train.loss that needs the target's distribution against what extract stores;
+              train.selector and train.parallel against drafter.architecture)
     target ─► its shape (decoder layers, vocabulary, family, whether it has a chat template),
               read cheaply where it is local: a HF directory's config.json and tokenizer
               files, a GGUF file's metadata header (the tensors are not read), a hub id's files
               in the local HF cache; None otherwise
            ─► taps inside the target and not on its last layer (layout.check_taps),
-              extract.topk and drafter.mask_token_id inside its vocabulary
+              extract.topk, drafter.mask_token_id and drafter.selector_top_k inside its
+              vocabulary, drafter.conv_group_size dividing its hidden size
            ─► its family runnable (transformers_support.check_runnable) and target.attn_implementation one
               the family has (transformers_support.resolve_attention)
            ─► plain-text prompts (no chat template) with conversation sources only under
@@ -30,7 +32,7 @@ from __future__ import annotations
 import json
 import mmap
 import struct
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -82,6 +84,7 @@ def check_config(cfg: Config) -> None:
     if cfg.target.chat_template not in (None, "auto", "none"):
         template_text(cfg.target.chat_template)  # Jinja text or an existing file
     check_loss_inputs(cfg)
+    check_architecture(cfg)
     drafter, window = cfg.drafter, cfg.drafter.sliding_window
     if window is None:
         return
@@ -117,6 +120,49 @@ def check_loss_inputs(cfg: Config) -> None:
         )
 
 
+def check_architecture(cfg: Config) -> None:
+    """train.selector trains a DFlash2 drafter's selector: refused on a dflash drafter (the
+    drafter section's own keys are refused in config.DrafterShape). FSDP2 is refused with
+    dflash2: the selector's loss reads its parameters outside the drafter's forward, where
+    FSDP2 would hand it shards."""
+    architecture = cfg.drafter.architecture
+    if architecture != "dflash2" and cfg.train.selector is not None:
+        raise ConfigError(
+            f"train.selector is set with drafter.architecture {architecture}: it weighs the "
+            "DFlash2 selector's loss, and a dflash drafter has no selector; set "
+            "drafter.architecture: dflash2, or leave train.selector out"
+        )
+    if architecture == "dflash2" and cfg.train.parallel == "fsdp":
+        raise ConfigError(
+            "train.parallel fsdp with drafter.architecture dflash2: the selector's loss runs "
+            "outside the drafter's forward, where FSDP2 would give it sharded parameters; set "
+            "train.parallel: ddp"
+        )
+
+
+def check_dflash2_sizes(cfg: Config, hidden_size: int | None, vocab: int, name: str) -> None:
+    """drafter.conv_group_size divides the target's hidden size and drafter.selector_top_k is
+    within its vocabulary (set or at DrafterConfig's defaults), named before any job runs."""
+    if cfg.drafter.architecture != "dflash2":
+        return
+    from dflashpipe.model import DrafterConfig  # torch: only for a dflash2 drafter
+
+    sizes = {f.name: f.default for f in fields(DrafterConfig)} | cfg.drafter.dflash2_sizes()
+    group, top_k = sizes["conv_group_size"], sizes["selector_top_k"]
+    unset = {k: "" if k in cfg.drafter.dflash2_sizes() else " (unset: the default)"
+             for k in ("conv_group_size", "selector_top_k")}  # fmt: skip
+    if hidden_size and hidden_size % group:
+        raise ConfigError(
+            f"drafter.conv_group_size {group}{unset['conv_group_size']} does not divide the "
+            f"hidden size {hidden_size} of target {name}; expected a divisor of {hidden_size}"
+        )
+    if top_k > vocab:
+        raise ConfigError(
+            f"drafter.selector_top_k {top_k}{unset['selector_top_k']} is above the vocabulary "
+            f"of target {name} ({vocab} tokens); expected at most {vocab}"
+        )
+
+
 def check_fits_target(cfg: Config, shape: TargetShape) -> None:
     """The target's family (runnable, with the configured attention), the config's taps,
     extract.topk, drafter.mask_token_id and prompt format against the target's shape."""
@@ -144,6 +190,7 @@ def check_fits_target(cfg: Config, shape: TargetShape) -> None:
             f"({vocab} tokens); expected an id below {vocab}, or null to choose one"
         )
     check_prompt_format(cfg, shape)
+    check_dflash2_sizes(cfg, shape.hidden_size, vocab, shape.name)
     if shape.hidden_size and cfg.extract.group_size is not None:  # before regenerate's GPU hours
         from dflashpipe.codecs import check_group  # torch: only where a group size is set
 

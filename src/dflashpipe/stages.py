@@ -69,6 +69,11 @@ STAGES: dict[str, Stage] = {
             "drafter.mask_token_id",
             "drafter.sliding_window",
             "drafter.init",
+            "drafter.architecture",
+            "drafter.conv_kernel_size",
+            "drafter.conv_group_size",
+            "drafter.selector_rank",
+            "drafter.selector_top_k",
             "train.*",
             "devices.train",
         ),  # fmt: skip

@@ -32,7 +32,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dflashpipe import checkpoint, faults
 from dflashpipe.compile_cache import carried
-from dflashpipe.config import Config, LossConfig, load_config
+from dflashpipe.config import Config, LossConfig, SelectorConfig, load_config
 from dflashpipe.data import (
     PackedBatches,
     Sample,
@@ -56,14 +56,24 @@ from dflashpipe.features import (
 from dflashpipe.launcher import TrainPaths, die_with_parent
 from dflashpipe.loss import (
     block_labels,
+    block_previous,
     block_soft_targets,
     block_target_hidden,
     default_gamma,
     dflash_loss,
     greedy_labels,
+    selector_loss,
     target_argmax,
 )
-from dflashpipe.metrics import MetricsLog, RunFacts, expected_acceptance, step_flops
+from dflashpipe.metrics import (
+    MetricsLog,
+    RunFacts,
+    expected_acceptance,
+    selector_row,
+    selector_sums,
+    selector_width,
+    step_flops,
+)
 from dflashpipe.model import FROZEN_PREFIXES, Drafter, DrafterConfig, init_from_target_layers
 from dflashpipe.shards import check_manifest, verify_shard
 from dflashpipe.stages import ABSENT, digest_keys, fingerprint_keys
@@ -108,6 +118,7 @@ def forward_loss(
     model: torch.nn.Module, head: torch.Tensor, b: dict, block_size: int, gamma: float,
     distill_weight: float = 0.0, rank: tuple[float, int] = (0.0, 8), *,
     loss: LossConfig | None = None, softcap: float | None = None,
+    selector: tuple[torch.nn.Module, SelectorConfig, float] | None = None,
 ) -> tuple[torch.Tensor, dict]:  # fmt: skip
     """One micro-batch's DFlash loss and metrics (tensors, no host sync): drafter forward under
     bf16 autocast on GPU, labels, chunked loss against the frozen head: train.loss's objective
@@ -117,7 +128,11 @@ def forward_loss(
     The target's distribution, where the KL (objective forward_kl: the share the ranking term
     leaves) or greedy labels need it: its whole one from b's `target_final` (its final hidden
     states, through the head, logits tanh-capped at `softcap` where the target caps them), else
-    its top-k (`topk_ids`, `topk_logprobs`)."""
+    its top-k (`topk_ids`, `topk_logprobs`).
+
+    selector (a dflash2 drafter): (its CandidateSelector, train.selector, alpha at this step):
+    alpha x the selector's K-way cross-entropy over the unary top K is added (loss.selector_loss;
+    the top K found inside the loss's chunks), its counts in the metrics."""
     loss = loss or LossConfig()
     cuda = b["input_ids"].is_cuda
     with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
@@ -135,11 +150,47 @@ def forward_loss(
         top = soft[0] if soft is not None else target_argmax(target, head)[..., None]
         labels, valid = greedy_labels(labels, valid, top)
     objective = "expected_length" if loss.objective == "expected_length" else "cross_entropy"
-    return dflash_loss(out.to(head.dtype), head, labels, valid, gamma,
-                       soft=soft if d else None, target_hidden=target if d else None,
-                       distill_weight=d, rank_weight=rank[0], rank_k=rank[1],
-                       weighting=loss.weighting, dpace_mix=loss.dpace_mix, objective=objective,
-                       kl_temperature=loss.kl_temperature, target_softcap=softcap)  # fmt: skip
+    hidden = out.to(head.dtype)
+    top_k = selector[0].top_k if selector else 0
+    total, metrics = dflash_loss(hidden, head, labels, valid, gamma,
+                                 soft=soft if d else None, target_hidden=target if d else None,
+                                 distill_weight=d, rank_weight=rank[0], rank_k=rank[1],
+                                 weighting=loss.weighting, dpace_mix=loss.dpace_mix,
+                                 objective=objective, kl_temperature=loss.kl_temperature,
+                                 target_softcap=softcap, top_k=top_k)  # fmt: skip
+    if selector is None:
+        return total, metrics
+    module, sc, alpha = selector
+    previous = block_previous(b["input_ids"], b["anchors"], block_size)  # teacher forcing
+    term, more = selector_loss(module, hidden, head, labels, valid, previous,
+                               metrics.pop("top_k"), gamma, outside_top_k=sc.outside_top_k,
+                               stop_gradient=sc.stop_gradient)  # fmt: skip
+    return total + alpha * term, metrics | more | {"unary_loss": total.detach()}
+
+
+def decay_groups(drafter: Drafter) -> list[dict]:
+    """AdamW's parameter groups: weight decay on matrices only, never on the norms' gains (decay
+    would pull them to 0) nor on DFlash2's base kernels (3-D, but a gain: tap 0 is 1, the
+    identity convolution, which decay would erode)."""
+    params = [(n, p) for n, p in drafter.named_parameters() if p.requires_grad]
+    gain = [p for n, p in params if p.ndim < 2 or n.endswith(".base_kernel")]
+    return [{"params": [p for _, p in params if not any(p is g for g in gain)]},
+            {"params": gain, "weight_decay": 0.0}]  # fmt: skip
+
+
+def check_resumed_keys(result, path: Path) -> None:
+    """A checkpoint resumed into the drafter fills every weight but the target's frozen
+    embedding and LM head, and holds nothing else; anything more or less (another architecture,
+    another shape of drafter) is refused naming the keys, never silently re-initialised."""
+    missing = [k for k in result.missing_keys if not k.startswith(FROZEN_PREFIXES)]
+    unexpected = list(result.unexpected_keys)
+    if missing or unexpected:
+        raise DataError(
+            f"checkpoint {path} does not fit this drafter: weights it lacks {missing[:8]}"
+            f"{' ...' if len(missing) > 8 else ''}, weights it has that the drafter does not "
+            f"{unexpected[:8]}{' ...' if len(unexpected) > 8 else ''} (made for another "
+            "drafter.architecture or shape?); move the run directory aside to train afresh"
+        )
 
 
 class FirstStep:
@@ -303,6 +354,7 @@ class Trainer:
         self.dcfg = DrafterConfig.from_target(
             target.config, mask_token_id=mask_id, num_layers=d.num_layers, block_size=d.block_size,
             target_layer_ids=self.manifest["layer_ids"], sliding_window=d.sliding_window,
+            **d.model_fields(),
         )  # fmt: skip
         torch.manual_seed(self.tc.seed)
         drafter = Drafter.from_target_model(self.dcfg, target)
@@ -319,6 +371,8 @@ class Trainer:
         self.drafter = drafter
         self.gamma = self.tc.gamma or default_gamma(self.dcfg.block_size)
         self.rank_term = (self.tc.rank_weight, self.tc.rank_k)  # loss.dflash_loss's ranking term
+        # dflash2: the selector's term (train.selector, its defaults where unset)
+        self.selector = (self.tc.selector or SelectorConfig()) if self.dcfg.dflash2 else None
         # the target's logits as its distribution is computed from its final hidden states
         self.softcap = getattr(tc, "final_logit_softcapping", None)
 
@@ -350,10 +404,8 @@ class Trainer:
         self.fingerprint = {k: v for k, v in self.settings.items() if k in kept}
 
     def _build_optimizer(self) -> None:
-        params = [p for p in self.drafter.parameters() if p.requires_grad]
-        if self.tc.weight_decay:  # matrices only: decay would pull the norms' gains to 0
-            params = [{"params": [p for p in params if p.ndim >= 2]},
-                      {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]  # fmt: skip
+        params = decay_groups(self.drafter) if self.tc.weight_decay else [
+            p for p in self.drafter.parameters() if p.requires_grad]  # fmt: skip
         self.optimizer = torch.optim.AdamW(params, lr=self.tc.lr, weight_decay=self.tc.weight_decay,
                                            betas=tuple(self.tc.betas), fused=self.device.type == "cuda")  # fmt: skip
         warmup = max(1, round(self.tc.warmup_ratio * self.total_steps))
@@ -423,10 +475,11 @@ class Trainer:
             )
 
             opts = _FULL(cpu_offload=False, strict=False)
-            set_model_state_dict(self.drafter, state["model"], options=opts)
+            check_resumed_keys(set_model_state_dict(self.drafter, state["model"], options=opts),
+                               path)  # fmt: skip
             set_optimizer_state_dict(self.drafter, self.optimizer, state["optimizer"], options=opts)
         else:
-            self.drafter.load_state_dict(state["model"], strict=False)
+            check_resumed_keys(self.drafter.load_state_dict(state["model"], strict=False), path)
             self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         checkpoint.set_rng_state(state["rng"])
@@ -454,7 +507,8 @@ class Trainer:
         with ctx:
             loss, metrics = forward_loss(self.model, self.head, b, self.dcfg.block_size, self.gamma,
                                          self.tc.distill_weight, self.rank_term,
-                                         loss=self.tc.loss, softcap=self.softcap)  # fmt: skip
+                                         loss=self.tc.loss, softcap=self.softcap,
+                                         selector=self.selector_term(self.step))  # fmt: skip
             (loss / self.accum).backward()
         anchors_pos = torch.where(b["keep"], b["position_ids"][b["anchors"]], -1)
         metrics["flops"] = step_flops(
@@ -462,6 +516,12 @@ class Trainer:
         )
         metrics["sample_index"] = b["sample_index"]
         return loss.detach(), metrics
+
+    def selector_term(self, step: int) -> tuple | None:
+        """forward_loss's selector argument at optimizer step `step` (0-based); None on dflash."""
+        if self.selector is None:
+            return None
+        return self.drafter.candidate_selector, self.selector, self.selector.alpha_at(step)
 
     def run_facts(self) -> RunFacts:
         """What the metrics log is told of this run."""
@@ -531,20 +591,31 @@ class Trainer:
                              self.tc.num_anchors, self.tc.seed, epoch=0, topk=self.topk,
                              quantized=self.quantized)  # fmt: skip
         vec = torch.zeros(2 * B - 1, device=self.device)  # loss sum, correct (B-1), labels (B-1)
+        selector = self.selector_term(self.step - 1)  # the alpha of the step just taken
+        sel = torch.zeros(selector_width(B) if selector else 0, device=self.device)
         self.model.train(not self.tc.dropout)  # measured as evaluated: without dropout
         for batch in make_loader(data, 0, workers=0, pin=False):
             b = to_device(batch, self.device, self.final_width)
             loss, m = forward_loss(self.model, self.head, b, B, self.gamma, self.tc.distill_weight,
-                                   self.rank_term, loss=self.tc.loss, softcap=self.softcap)  # fmt: skip
+                                   self.rank_term, loss=self.tc.loss, softcap=self.softcap,
+                                   selector=selector)  # fmt: skip
             vec += torch.cat([loss.detach()[None], m["slot_accuracy"] * m["slot_labels"],
                               m["slot_labels"]])  # fmt: skip
+            if selector:
+                sel += selector_sums(m)
         self.model.train()
         if self.world > 1:
             dist.all_reduce(vec)
+            if selector:
+                dist.all_reduce(sel)
         acc = (vec[1:B] / vec[B:].clamp_min(1)).tolist()
-        return {"val_loss": vec[0].item() / (len(self._val_plan) * self.world),
-                "val_slot_accuracy": [round(a, 4) for a in acc],
-                "val_expected_acceptance": expected_acceptance(acc)}  # fmt: skip
+        batches = len(self._val_plan) * self.world
+        row = {"val_loss": vec[0].item() / batches,
+               "val_slot_accuracy": [round(a, 4) for a in acc],
+               "val_expected_acceptance": expected_acceptance(acc)}  # fmt: skip
+        if selector:
+            row |= selector_row(sel, vec[1:B], vec[B:], batches, prefix="val_")
+        return row
 
     def save(self) -> None:
         state = self.state_dict()  # every rank: a collective under FSDP
