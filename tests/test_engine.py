@@ -435,3 +435,62 @@ def test_a_windowed_drafter_proposes_as_the_eager_one_past_its_window(llama):
             got = drafter.lm_head(drafter.norm(static.block_rows(anchor, length))[1:])
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
         assert static.propose(anchor, length).tolist() == expected.argmax(-1).tolist()
+
+
+def test_a_dflash2_drafter_decodes_as_the_official_loop_at_c_1_and_in_rows(tmp_path):
+    """A DFlash2 drafter (random convolutions and selector, not the identity) exported and run
+    by the official package's loop at temperature 0: the engine at c = 1 and the concurrent
+    engine at 2 rows give the target's greedy tokens and, prompt by prompt, its acceptance
+    lengths; the selector's walk left the unary argmax on some step (so the test would see a
+    drafter that ignored it), and drafts were accepted."""
+    import test_official as case
+
+    from dflashpipe.decoding.concurrent import ConcurrentEngine
+    from dflashpipe.export import save_drafter
+
+    target = case.runs_target("llama")
+    drafter = case.make_drafter(target, "dflash2")
+    save_drafter(drafter, tmp_path)
+    official = case.load_official(tmp_path, "dflash2")
+    engine = Engine(target, 64, drafter)
+    rows, _ = ConcurrentEngine(engine, 2).decode("dflash", case.PROMPTS, case.NEW, set())
+    moved = 0
+    for prompt, row in zip(case.PROMPTS, rows, strict=True):
+        mine = engine.dflash(prompt, case.NEW, set())
+        theirs, lengths = case.official_decode(official, target, prompt, case.NEW + case.BLOCK)
+        assert mine.output_ids == theirs[: case.NEW] == row.output_ids
+        steps = len(mine.accepted_lengths)
+        assert mine.accepted_lengths == lengths[:steps] == row.accepted_lengths, prompt
+        moved += case.reference_decode(drafter, target, prompt, case.NEW)[2]
+    assert moved and max(n for d in rows for n in d.accepted_lengths) > 2
+
+
+def test_a_dflash2_drafter_proposes_its_selectors_walk():
+    """The static drafter's chain on a DFlash2 drafter (random convolutions and selector) is the
+    selector's greedy walk from the anchor over the drafter's own forward (float32), for several
+    anchors; and on some of them that walk is not the unary argmax, so a drafter that skipped
+    the selector (or a convolution) would fail here."""
+    import test_official as case
+
+    target = case.runs_target("llama")
+    drafter = case.make_drafter(target, "dflash2", runs=False)
+    H = target.config.hidden_size
+    g = torch.Generator().manual_seed(2)
+    T = 12
+    states = torch.randn(T - 1, len(case.TAPS) * H, generator=g)
+    static = StaticDrafter(drafter, 64)
+    static.append(states, 0)
+    moved = 0
+    for anchor in range(20, 320, 15):
+        ids = torch.randint(2, 320, (T,), generator=g)
+        ids[-1] = anchor
+        with torch.no_grad():
+            h = drafter(ids, torch.cat([states, states.new_zeros(1, states.shape[1])]),
+                        torch.arange(T), torch.zeros(T, dtype=torch.long), torch.tensor([T - 1]),
+                        torch.ones(1, dtype=torch.bool))[:, 1:]  # fmt: skip
+            logits = drafter.lm_head(h)
+            want = drafter.candidate_selector.walk(h, logits, torch.tensor([anchor]))[0][0]
+        got = static.propose(torch.tensor([anchor]), torch.tensor([T - 1]))
+        assert torch.equal(got, want), anchor
+        moved += int(not torch.equal(want, logits[0].argmax(-1)))
+    assert moved

@@ -52,6 +52,7 @@ from dflashpipe.decoding.layers import (
     context_rows,
     decoder_layer,
     drafter_inputs,
+    drafter_layer,
     mixed_layer,
     pack_masks,
     rows_inputs,
@@ -145,7 +146,7 @@ class ConcurrentEngine:
         self.layer = compiled(decoder_layer, on, dynamic, cache="rows")
         self.outputs = compiled(target_outputs, on, dynamic)
         self.draft_inputs = compiled(drafter_inputs, on, dynamic, cache="rows")
-        self.draft_layer = compiled(decoder_layer, on, dynamic, cache="rows drafter")
+        self.draft_layer = compiled(drafter_layer, on, dynamic, cache="rows drafter")
         self.context = compiled(context_rows, on, dynamic, cache="rows")
         self.chain = compiled(chain_drafts, on, dynamic, cache="rows")
         self.prefill = compiled(decoder_layer, on, None, cache="pack")  # pack lengths vary
@@ -243,7 +244,7 @@ class ConcurrentEngine:
     def _propose(self) -> Tensor:
         d = self.engine.drafter
         x = d.rows(self.anchor, self.length, self.dk, self.dv, self.draft_inputs, self.draft_layer)
-        return self.chain(d.drafter, x)  # (N, B-1)
+        return self.chain(d.drafter, x, self.anchor)  # (N, B-1)
 
     def _greedy_step(self, T: int = 0) -> None:
         slots = self.length[:, None]  # (N, 1)

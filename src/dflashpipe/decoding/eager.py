@@ -29,6 +29,7 @@ import torch
 from torch import Tensor, nn
 from transformers import DynamicCache
 
+from dflashpipe.decoding.layers import selected
 from dflashpipe.decoding.types import Decoded, Proposer, clock, finish
 from dflashpipe.masks import build_masks
 from dflashpipe.model import Drafter
@@ -215,7 +216,8 @@ class DFlashProposer:
             )
         with torch.inference_mode():
             out = self.block_states(tokens[-1])
-            return self.drafter.lm_head(out[1:]).argmax(-1).tolist()  # slots 1..B-1
+            anchor = out.new_tensor([tokens[-1]], dtype=torch.long)
+            return selected(self.drafter, out[None, 1:], anchor)[0].tolist()  # slots 1..B-1
 
 
 def block_masks(

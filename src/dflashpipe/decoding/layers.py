@@ -9,7 +9,8 @@ attend over, not in how a layer computes.
 
     target_inputs / rows_inputs ─► x (N, Q, H), RoPE rows (N, Q, 1, D), index = where the K/V
                                    go (rows (N, 1), slots (N, Q)), per distinct window its mask
-    layer (every layer, target and drafter alike)
+    layer (every layer, target and drafter alike; a DFlash2 drafter's convolutions around the
+    sublayers: drafter_layer)
                                    input norm, q/k/v one matmul, q/k norms ─► K/V written at
                                    index, `attend`: dense over each row's buffer (N, Hkv, C, D),
                                    flex over its blocks, or a pack among its own tokens ─►
@@ -17,7 +18,8 @@ attend over, not in how a layer computes.
     target_outputs                 final norm, LM head, soft-capping; tapped layers' rows
     drafter_inputs, context_rows   the block [anchor, MASK x B-1] at T..T+B-1 and its masks; the
                                    target's tapped rows into every drafter layer's context K/V
-    chain_drafts, tree_candidates  greedy drafts or per-slot top-k of the drafter's last rows
+    chain_drafts, tree_candidates  greedy drafts (a DFlash2 drafter's: its selector's walk) or
+                                   per-slot top-k of the drafter's last rows
 
 Layout, chosen for the hot paths: rows, then tokens, then heads, as projections come out of the
 matmuls (x (N, Q, H), K/V (N, Q, Hkv, D)); one index_put_ (buffer[rows, :, slots]) writes them,
@@ -40,9 +42,11 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from dflashpipe.decoding.families import (
     Fused,
     fold_mask,
+    fused_mlp,
     layer_attention,
     layer_out,
     layer_qkv,
+    project_qkv,
     rotate,
     windowed,
 )
@@ -121,6 +125,26 @@ def decoder_layer(
     q, k, v = layer_qkv(module, x, fused)  # (N, Q, Hq, D), (N, Q, Hkv, D)
     y = attend(module, q, k, v, k_cache, v_cache, cos, sin, index, mask)  # (N, Q, Hq*D)
     return layer_out(module, x, y, fused)
+
+
+def drafter_layer(
+    module: nn.Module, x: Tensor, k_cache: Tensor, v_cache: Tensor, cos: Tensor, sin: Tensor,
+    index: tuple[Tensor, Tensor], mask: Tensor | FlexBlocks | Pack, fused: Fused,
+) -> Tensor:  # fmt: skip
+    """A drafter layer over one block per row, x (N, B, H): `decoder_layer`, or on a DFlash2
+    drafter (dflash2.py) the same with its convolutions around attention and the MLP, each over
+    the row's block (the slot and the ones before it: a row holds one block, so no tap crosses
+    a block)."""
+    conv = module.attention_conv
+    if conv is None:
+        return decoder_layer(module, x, k_cache, v_cache, cos, sin, index, mask, fused)
+    attn = module.self_attn
+    h, dyn = conv.before(module.input_layernorm(x))
+    q, k, v = project_qkv(h, fused, attn.num_kv_heads, attn.head_dim)
+    y = attend(module, attn.q_norm(q), attn.k_norm(k), v, k_cache, v_cache, cos, sin, index, mask)
+    x = x + conv.after(attn.o_proj(y), dyn)
+    h, dyn = module.mlp_conv.before(module.post_attention_layernorm(x))
+    return x + module.mlp_conv.after(fused_mlp(module.mlp, h, fused), dyn)
 
 
 def attend(
@@ -285,9 +309,19 @@ def append_context(
     context_rows(drafter, states[None], kv, weight, cos, sin, (slots.new_zeros(1, 1), slots[None]))
 
 
-def chain_drafts(drafter: Drafter, x: Tensor) -> Tensor:
-    """The greedy drafts (N, B-1) of slots 1..B-1 from the last layer's block rows (N, B, H)."""
-    return drafter.lm_head(drafter.norm(x[:, 1:])).argmax(-1)
+def chain_drafts(drafter: Drafter, x: Tensor, anchor: Tensor) -> Tensor:
+    """The drafts (N, B-1) of slots 1..B-1 from the last layer's block rows (N, B, H) after
+    `anchor` (N,) (`selected`)."""
+    return selected(drafter, drafter.norm(x[:, 1:]), anchor)
+
+
+def selected(drafter: Drafter, h: Tensor, anchor: Tensor) -> Tensor:
+    """The chain a drafter proposes from its final states h (N, S, H) of the drafted slots after
+    `anchor` (N,): the unary argmax per slot, or on a DFlash2 drafter its selector's greedy
+    walk over the unary top K from the anchor (dflash2.CandidateSelector)."""
+    logits = drafter.lm_head(h)  # (N, S, V)
+    selector = getattr(drafter, "candidate_selector", None)
+    return logits.argmax(-1) if selector is None else selector.walk(h, logits, anchor)[0]
 
 
 def tree_candidates(drafter: Drafter, x: Tensor, k: int) -> tuple[Tensor, Tensor]:

@@ -44,6 +44,7 @@ from dflashpipe.decoding.layers import (
     chain_drafts,
     decoder_layer,
     drafter_inputs,
+    drafter_layer,
     pack_masks,
     target_inputs,
     target_outputs,
@@ -254,7 +255,7 @@ class StaticDrafter:
 
     def __init__(self, drafter: Drafter, max_len: int, compile: bool = False):
         self.drafter = drafter
-        self.layer = compiled(decoder_layer, compile, cache="drafter")
+        self.layer = compiled(drafter_layer, compile, cache="drafter")
         self.context_rows = compiled(append_context, compile)
         self.inputs = compiled(drafter_inputs, compile)
         self.chain = compiled(chain_drafts, compile)
@@ -302,7 +303,7 @@ class StaticDrafter:
     ) -> Tensor:  # fmt: skip
         """The last layer's rows (N, B, H) of the blocks [anchor_r, MASK..] (anchor, length
         (N,)) at positions T_r..T_r+B-1 over the context buffers ks / vs, with `inputs`
-        (layers.drafter_inputs) and `layer` (decoder_layer), compiled or not."""
+        (layers.drafter_inputs) and `layer` (drafter_layer), compiled or not."""
         d = self.drafter
         x, index, cos, sin, masks = inputs(d, anchor, self.masks_ids, self.cos, self.sin,
                                            self.cols, self.offsets, length, self.windows,
@@ -322,7 +323,7 @@ class StaticDrafter:
     def propose(self, anchor: Tensor, length: Tensor) -> Tensor:
         """Greedy drafts (B-1,) of slots 1..B-1 (the chain)."""
         x = self.rows(anchor, length, self.k, self.v, self.inputs, self.layer)  # (1, B, H)
-        return self.chain(self.drafter, x)[0]
+        return self.chain(self.drafter, x, anchor)[0]
 
     @torch.no_grad()
     def top_k(self, anchor: Tensor, length: Tensor, k: int) -> tuple[Tensor, Tensor]:
