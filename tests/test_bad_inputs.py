@@ -286,6 +286,63 @@ def _(env):
 
 
 @case(
+    "config-dflash2-key-on-dflash",
+    "config",
+    "a DFlash2 size on a dflash drafter (issue 63)",
+    r"drafter\.conv_group_size is 8 with drafter\.architecture dflash: it sizes a DFlash2 "
+    r"drafter's convolutions or selector",
+)
+def _(env):
+    return check_config(env, env.raw(drafter={"conv_group_size": 8}))
+
+
+@case(
+    "config-selector-on-dflash",
+    "config",
+    "train.selector on a dflash drafter, which has no selector",
+    r"train\.selector is set with drafter\.architecture dflash: .*set drafter\.architecture: "
+    r"dflash2, or leave train\.selector out",
+)
+def _(env):
+    return check_config(env, env.raw(train={"selector": {"alpha": 0.5}}))
+
+
+@case(
+    "config-selector-policy",
+    "config",
+    "an unknown policy for a gold token outside the unary top K",
+    r"train\.selector\.outside_top_k: 'drop' is not one of \['skip', 'replace'\]",
+)
+def _(env):
+    selector = {"outside_top_k": "drop"}
+    return check_config(env, env.raw(drafter={"architecture": "dflash2"},
+                                      train={"selector": selector}))  # fmt: skip
+
+
+@case(
+    "config-dflash2-group-size",
+    "config",
+    "a DFlash2 convolution group that does not divide the target's hidden size",
+    r"drafter\.conv_group_size 7 does not divide the hidden size 64 of target .*; expected a "
+    r"divisor of 64",
+)
+def _(env):
+    drafter = {"architecture": "dflash2", "conv_group_size": 7}
+    return check_config(env, env.raw(drafter=drafter))
+
+
+@case(
+    "config-dflash2-top-k-vocab",
+    "config",
+    "drafter.selector_top_k above the target's vocabulary",
+    r"drafter\.selector_top_k 50000 is above the vocabulary of target .* \(49152 tokens\)",
+)
+def _(env):
+    drafter = {"architecture": "dflash2", "selector_top_k": 50000}
+    return check_config(env, env.raw(drafter=drafter))
+
+
+@case(
     "config-taps-last-layer",
     "config",
     "a tap on the target's last layer (served features differ from HF's hidden_states[N])",

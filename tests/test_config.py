@@ -264,3 +264,49 @@ def test_train_loss_defaults_to_decay_cross_entropy_and_is_checked(tmp_path):
     ]
     with pytest.raises(ConfigError, match=r"train\.loss\.labels: 'x' is not one of"):
         dataclasses.replace(cfg.train.loss, labels="x")  # made without the schema
+
+
+def test_drafter_architecture_and_train_selector(tmp_path):
+    """Issue 63: unset, the drafter is dflash with no selector; the DFlash2 sizes and
+    train.selector are refused on a dflash drafter naming the key, FSDP2 on a dflash2 one;
+    alpha's schedule: 0 through the warm-up, then a linear ramp to alpha."""
+    from dflashpipe.config import SelectorConfig
+    from dflashpipe.preflight import check_config
+
+    cfg = Config.from_dict(base_config(tmp_path))
+    assert cfg.drafter.architecture == "dflash" and cfg.train.selector is None
+    assert cfg.drafter.model_fields() == {"architecture": "dflash"}
+
+    def refused(drafter, train=None):
+        raw = base_config(tmp_path)
+        raw.update(drafter=drafter, train=train or {})
+        with pytest.raises(ConfigError) as e:
+            check_config(Config.from_dict(raw))
+        return str(e.value)
+
+    cases = [
+        ({"selector_top_k": 8}, None, "drafter.selector_top_k is 8 with drafter.architecture dflash"),
+        ({"architecture": "dflash", "conv_kernel_size": 3}, None,
+         "drafter.conv_kernel_size is 3 with drafter.architecture dflash"),
+        ({}, {"selector": {}}, "train.selector is set with drafter.architecture dflash"),
+        ({"architecture": "dflash2"}, {"parallel": "fsdp"},
+         "train.parallel fsdp with drafter.architecture dflash2"),
+        ({"architecture": "dflash3"}, None, "drafter.architecture: 'dflash3' is not one of"),
+        ({"architecture": "dflash2", "selector_rank": 0}, None,
+         "drafter.selector_rank: 0 is less than the minimum of 1"),
+        ({"architecture": "dflash2"}, {"selector": {"alpha": -1}},
+         "train.selector.alpha: -1 is less than the minimum of 0"),
+    ]  # fmt: skip
+    for drafter, train, named in cases:
+        assert named in refused(drafter, train), (drafter, train, named)
+    raw = base_config(tmp_path)
+    raw.update(drafter={"architecture": "dflash2", "selector_top_k": 8},
+               train={"selector": {"alpha": 2.0, "warmup_steps": 3, "ramp_steps": 4}})  # fmt: skip
+    cfg = Config.from_dict(raw)
+    check_config(cfg)
+    assert cfg.drafter.model_fields() == {"architecture": "dflash2", "selector_top_k": 8}
+    schedule = [cfg.train.selector.alpha_at(s) for s in range(9)]
+    assert schedule == [0, 0, 0, 0.5, 1.0, 1.5, 2.0, 2.0, 2.0]
+    assert SelectorConfig(alpha=0.3).alpha_at(0) == 0.3  # no warm-up, no ramp: alpha at once
+    default = SelectorConfig()
+    assert (default.alpha, default.stop_gradient, default.outside_top_k) == (1.0, False, "skip")

@@ -61,6 +61,28 @@ OTHER = {
         "extract.final_hidden": True,
     },  # fmt: skip
     "train.loss.labels": {"train.loss.labels": "greedy", "extract.topk": 4},
+    # issue 63: no schema default for the architecture, its sizes and train.selector (unset
+    # they stay out of train's digest); the sizes and the selector only on a dflash2 drafter
+    "drafter.architecture": "dflash2",
+    **{
+        f"drafter.{k}": {"drafter.architecture": "dflash2", f"drafter.{k}": v}
+        for k, v in (
+            ("conv_kernel_size", 3),
+            ("conv_group_size", 8),
+            ("selector_rank", 32),
+            ("selector_top_k", 8),
+        )
+    },
+    **{
+        f"train.selector.{k}": {"drafter.architecture": "dflash2", f"train.selector.{k}": v}
+        for k, v in (
+            ("alpha", 0.5),
+            ("warmup_steps", 100),
+            ("ramp_steps", 100),
+            ("stop_gradient", True),
+            ("outside_top_k", "replace"),
+        )
+    },
     "evaluate.methods": ["target", "dflash"],
     "evaluate.tree_nodes": [8],
     "devices.extract": [0],
@@ -92,6 +114,11 @@ EXPECTED = {
     "train.loss.objective": DOWN_FROM["train"],
     "train.loss.weighting": DOWN_FROM["train"],
     "train.loss.dpace_mix": DOWN_FROM["train"],
+    "drafter.architecture": DOWN_FROM["train"],
+    "drafter.conv_group_size": DOWN_FROM["train"],
+    "drafter.selector_top_k": DOWN_FROM["train"],
+    "train.selector.alpha": DOWN_FROM["train"],
+    "train.selector.outside_top_k": DOWN_FROM["train"],
     "devices.extract": set(),
     "devices.train": set(),
     "prompts.max_train": {"prompts", *DOWN_FROM["regenerate"]},
@@ -205,12 +232,28 @@ def test_unset_loss_and_final_hidden_keep_finished_runs_current(base):
     }
 
 
+def test_unset_architecture_and_selector_keep_finished_runs_current(base):
+    """Issue 63's keys have no schema default (drafter.architecture, its four sizes,
+    train.selector): a default config's digests are those of a config without them, so no
+    finished run retrains; dflash2 with the selector unset takes SelectorConfig's defaults."""
+    drafter, train = base.raw["drafter"], base.raw["train"]
+    assert not {"architecture", "conv_group_size", "selector_top_k"} & set(drafter)
+    assert "selector" not in train and base.drafter.architecture == "dflash"
+    d2 = Config.from_dict(_edited(base.raw, {"drafter.architecture": "dflash2"}))
+    assert {s for s in stages.STAGES if stages.digest(base, s) != stages.digest(d2, s)} == {"train"}
+    assert d2.train.selector is None and d2.drafter.model_fields() == {"architecture": "dflash2"}
+
+
 def test_resume_fingerprint_covers_what_train_reads_but_the_safe_keys():
     keys = set(stages.fingerprint_keys("train"))
     for key in ("train.lr", "train.betas", "train.seed", "train.warmup_ratio", "train.grad_clip",
                 "train.gamma", "train.num_anchors", "drafter.block_size", "target.model",
                 *(f"train.loss.{k}" for k in ("objective", "weighting", "dpace_mix",
-                                              "kl_temperature", "labels"))):  # fmt: skip
+                                              "kl_temperature", "labels")),
+                "drafter.architecture", "drafter.conv_kernel_size", "drafter.conv_group_size",
+                "drafter.selector_rank", "drafter.selector_top_k",
+                *(f"train.selector.{k}" for k in ("alpha", "warmup_steps", "ramp_steps",
+                                                  "stop_gradient", "outside_top_k"))):  # fmt: skip
         assert key in keys, key
     for key in ("train.epochs", "train.max_steps", "train.log_every", "train.checkpoint_every",
                 "train.keep_checkpoints", "devices.train", "extract.codec"):  # fmt: skip
