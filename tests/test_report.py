@@ -237,6 +237,45 @@ def test_the_serving_lines_are_this_runs(tmp_path, monkeypatch):
     assert "Serve the drafter" not in (tmp_path / "results" / "report.md").read_text()
 
 
+def test_a_dflash2_export_adds_its_notes_and_the_llama_cpp_lines(tmp_path, monkeypatch):
+    """A DFlash2 export (architectures ["DFlash2DraftModel"], as export.py writes it) keeps the
+    SGLang and vLLM lines of DFlash (both engines take it with the same flags and pick the
+    architecture from config.json) and adds the llama.cpp lines: a GGUF of the drafter from its
+    converter, which needs the target's HF directory, and --spec-draft-n-max one less than the
+    block. A DFlash export prints neither (serving.py's comment names the sources read)."""
+    monkeypatch.chdir(tmp_path)
+    drafter = tmp_path / "results" / "drafter"
+    drafter.mkdir(parents=True)
+    paths = _inputs(tmp_path)
+    info = {"drafter": {"path": "results/drafter", "block_size": 8}, "target": "resources/smollm2"}
+
+    def served(architecture: str, target: str) -> str:
+        config = {"architectures": [architecture], "block_size": 8}
+        (drafter / "config.json").write_text(json.dumps(config))
+        (tmp_path / "eval.json").write_text(json.dumps(EVAL | info | {"target": target}))
+        run(ReportPaths(*paths, "results/report", "results/report.md"))
+        return (tmp_path / "results" / "report.md").read_text().split("## Serve the drafter")[1]
+
+    dflash = served("DFlashDraftModel", "resources/smollm2")
+    dflash2 = served("DFlash2DraftModel", "resources/smollm2")
+    assert dflash2.startswith(dflash.rstrip("\n"))  # DFlash's lines first, unchanged
+    assert "DFlash2" not in dflash and "llama" not in dflash
+    assert (
+        "```\npython convert_hf_to_gguf.py results/drafter --outfile drafter.gguf "
+        "--target-model-dir resources/smollm2\nllama-server -m <target GGUF> --spec-type "
+        "draft-dflash --spec-draft-model drafter.gguf \\\n    --spec-draft-n-max 7\n```"
+    ) in dflash2
+    assert "`--spec-draft-n-max` = block size 8 - 1" in dflash2
+    assert "registers `DFlashDraftModel` only, so this step is unverified" in dflash2
+    assert "1 + `num_speculative_tokens`" in dflash2 and "unquantized target" in dflash2
+    assert "its DFlash2 loader was not found in the source" in dflash2
+    gguf = "resources/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+    lines = served("DFlash2DraftModel", gguf)
+    assert f"--speculative-num-draft-tokens 8 \\\n    {GGUF_FLAGS}\n" in lines
+    assert "--target-model-dir <target HF directory>\n" in lines
+    assert f"llama-server -m {gguf} --spec-type draft-dflash" in lines
+
+
 def test_a_run_on_the_eager_loop_says_why_under_its_methods_table(tmp_path):
     """A family the static engine does not cover: the methods table's rows say eager, and the
     line under it the reason (from metrics.json's engine entry) and that DDTree was not run."""
