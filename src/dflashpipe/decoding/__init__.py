@@ -7,7 +7,8 @@
     layers          the one layer set: the target's and the drafter's step over N rows x Q
                     tokens against static KV buffers (dense over a span, flex over each row's
                     KV blocks, or a refill pack among its own tokens); step inputs and masks,
-                    logits, the drafter's context rows, chain and tree candidates
+                    logits, the drafter's context rows, chain and tree candidates; a DFlash2
+                    drafter's convolutions (drafter_layer) and selector walk (selected)
     packs           refill packs (whole prompts in one sequence), their lengths
     static_models   StaticTarget / StaticDrafter: buffers, fused weights, tables built once; the
                     loops over the layers; compiled() and capture()
