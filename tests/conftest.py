@@ -252,25 +252,30 @@ def tiny_features(tiny_target_dir, tmp_path_factory) -> dict:
 
 @pytest.fixture(scope="session")
 def tiny_topk_features(tiny_features, tmp_path_factory) -> dict:
-    """tiny_features' sequences extracted again with top-8 soft targets (extract.topk 8): two
-    shards + manifest, and the config dict that made them."""
+    """tiny_features' sequences extracted again with top-8 soft targets (extract.topk 8)."""
+    return reextracted(tiny_features, tmp_path_factory, "topk-features", topk=8)
+
+
+def reextracted(tiny_features: dict, tmp_path_factory, name: str, **extract) -> dict:
+    """tiny_features' sequences extracted again with the `extract` keys changed, once per run
+    (`shared_dir` `name`): two shards + manifest, and the config dict that made them."""
     raw = json.loads(json.dumps(tiny_features["raw"]))
-    raw["extract"]["topk"] = 8
+    raw["extract"].update(extract)
 
     def build(out: Path) -> None:
         from dflashpipe.config import Config
         from dflashpipe.extract import ExtractPaths
-        from dflashpipe.extract import run as extract
+        from dflashpipe.extract import run as extract_shard
         from dflashpipe.shards import build_manifest
         from dflashpipe.storage import write_json
 
         cfg = Config.from_dict(raw)
         for i in range(2):
             seq = tiny_features["dir"] / f"seq-{i}.parquet"
-            extract(cfg, ExtractPaths(str(seq), i, str(out / f"shard-{i:05d}.arrow")))
+            extract_shard(cfg, ExtractPaths(str(seq), i, str(out / f"shard-{i:05d}.arrow")))
         write_json(out / "manifest.json", build_manifest(sorted(out.glob("shard-*.arrow"))))
 
-    out = shared_dir(tmp_path_factory, "topk-features", build)
+    out = shared_dir(tmp_path_factory, name, build)
     shards = [out / f"shard-{i:05d}.arrow" for i in range(2)]
     return {"dir": out, "manifest": out / "manifest.json", "shards": shards, "raw": raw}
 

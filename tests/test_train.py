@@ -761,26 +761,10 @@ def test_dflash2_trains_reports_its_selector_and_exports_for_the_official_loader
 @pytest.fixture(scope="module")
 def final_features(tiny_features, tmp_path_factory) -> dict:
     """tiny_features' sequences extracted again with the target's final hidden states
-    (extract.final_hidden): two shards + manifest, and the config dict that made them."""
-    from conftest import shared_dir
+    (extract.final_hidden)."""
+    from conftest import reextracted
 
-    raw = json.loads(json.dumps(tiny_features["raw"]))
-    raw["extract"]["final_hidden"] = True
-
-    def build(out: Path) -> None:
-        from dflashpipe.extract import ExtractPaths
-        from dflashpipe.extract import run as extract
-        from dflashpipe.shards import build_manifest
-        from dflashpipe.storage import write_json
-
-        cfg = Config.from_dict(raw)
-        for i in range(2):
-            seq = tiny_features["dir"] / f"seq-{i}.parquet"
-            extract(cfg, ExtractPaths(str(seq), i, str(out / f"shard-{i:05d}.arrow")))
-        write_json(out / "manifest.json", build_manifest(sorted(out.glob("shard-*.arrow"))))
-
-    out = shared_dir(tmp_path_factory, "final-features", build)
-    return {"dir": out, "manifest": out / "manifest.json", "raw": raw}
+    return reextracted(tiny_features, tmp_path_factory, "final-features", final_hidden=True)
 
 
 def _first_batch(trainer: Trainer) -> dict:
