@@ -211,9 +211,9 @@ def test_flex_and_sdpa_paths_agree():
     torch.testing.assert_close(flex, sdpa, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("learned_mask", [False, True])
-def test_gradients_reach_every_trainable_parameter_and_no_frozen_one(learned_mask):
-    d, batch = tiny_drafter(learned_mask=learned_mask), packed()
+def six_blocks_loss(d: Drafter, batch: dict) -> tuple:
+    """The drafter over six blocks of `batch` (block size 4): anchors, hidden, labels and the
+    decay-weighted loss (gamma 4), for the gradient tests."""
     anchors = torch.tensor([3, 5, 8, 13, 16, 19])
     keep = torch.ones(6, dtype=torch.bool)
     hidden = run(d, batch, anchors.tolist())
@@ -221,6 +221,13 @@ def test_gradients_reach_every_trainable_parameter_and_no_frozen_one(learned_mas
         batch["input_ids"], batch["document_ids"], batch["loss_mask"], anchors, keep, 4
     )
     loss, _ = dflash_loss(hidden, d.lm_head.weight, labels, valid, gamma=4.0)
+    return anchors, hidden, labels, loss
+
+
+@pytest.mark.parametrize("learned_mask", [False, True])
+def test_gradients_reach_every_trainable_parameter_and_no_frozen_one(learned_mask):
+    d, batch = tiny_drafter(learned_mask=learned_mask), packed()
+    loss = six_blocks_loss(d, batch)[-1]
     loss.backward()
     frozen = {"embed_tokens.weight", "lm_head.weight"}
     params = dict(d.named_parameters())
@@ -417,13 +424,7 @@ def test_dflash2_gradients_reach_the_convolutions_and_the_successor_codebook():
     selector term the successor codebook (the other two factors start with a zero gradient,
     as the successor codebook is zero)."""
     d, batch = dflash2_drafter(), packed()
-    anchors = torch.tensor([3, 5, 8, 13, 16, 19])
-    keep = torch.ones(6, dtype=torch.bool)
-    hidden = run(d, batch, anchors.tolist())
-    labels, valid = block_labels(
-        batch["input_ids"], batch["document_ids"], batch["loss_mask"], anchors, keep, 4
-    )
-    loss, _ = dflash_loss(hidden, d.lm_head.weight, labels, valid, gamma=4.0)
+    anchors, hidden, labels, loss = six_blocks_loss(d, batch)
     previous = torch.cat([batch["input_ids"][anchors][:, None], labels[:, 1:-1]], 1)  # (A, B-1)
     candidates = d.lm_head(hidden[:, 1:]).topk(4, dim=-1).indices  # (A, B-1, K)
     edges = d.candidate_selector.edge_scores(hidden[:, 1:], previous.clamp(min=0), candidates)
