@@ -318,7 +318,7 @@ def test_drafter_slot_logits_match_the_proposer(llama, sliding):
     got = drafter.lm_head(drafter.norm(static.block_rows(anchor_t, length))[1:])
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
     assert static.propose(anchor_t, length).tolist() == expected.argmax(-1).tolist()
-    logprobs, ids = static.top_k(anchor_t, length, 3)
+    logprobs, ids, _ = static.top_k(anchor_t, length, 3)
     ref_logprobs, ref_ids = torch.log_softmax(expected, -1).topk(3, dim=-1)
     assert ids.tolist() == ref_ids.tolist()
     torch.testing.assert_close(logprobs, ref_logprobs, atol=1e-5, rtol=1e-4)
@@ -494,3 +494,39 @@ def test_a_dflash2_drafter_proposes_its_selectors_walk():
         assert torch.equal(got, want), anchor
         moved += int(not torch.equal(want, logits[0].argmax(-1)))
     assert moved
+
+
+def test_ddtree_on_a_dflash2_drafter_grows_its_selectors_tree_and_stays_lossless():
+    """DDTree on a DFlash2 drafter (random convolutions and selector): the output is the target's
+    greedy one at two budgets; every step's tree is grow_tree over the drafter's candidates with
+    its selector scoring the edges (recorded where the step calls it), and on some step that
+    tree is not the unary one, so a tree that ignored the selector would fail here."""
+    import test_official as case
+
+    from dflashpipe.decoding.tree_search import grow_tree
+
+    target = case.runs_target("llama")
+    drafter = case.make_drafter(target, "dflash2")
+    engine = Engine(target, 64, drafter)
+    steps = engine.family("ddtree")
+    calls = []
+
+    def recorded(*args):
+        tree = grow_tree(*args)
+        calls.append((args, tree))
+        return tree
+
+    steps.grow = recorded
+    differs = 0
+    for prompt in case.PROMPTS:
+        want = engine.greedy(prompt, case.NEW, set()).output_ids
+        for budget in (4, 12):
+            calls.clear()
+            got = engine.ddtree(prompt, case.NEW, set(), budget, 3)
+            assert got.output_ids == want, (prompt, budget)
+            for (lp, ids, n, selector, hidden, _anchor), tree in calls:
+                assert selector is drafter.candidate_selector and hidden.shape[0] == lp.shape[0]
+                unary = grow_tree(lp, ids, n)
+                differs += any(not torch.equal(getattr(tree, f), getattr(unary, f))
+                               for f in ("tokens", "parents"))  # fmt: skip
+    assert differs

@@ -292,3 +292,82 @@ def test_device_walk_keeps_the_reference_path():
         assert rows[L:].tolist() == [rows[L].item()] * (S + 1 - L)  # repeated: fixed shape
         assert greedy[rows[L]].item() == bonus
     assert {0, ref.max_depth} <= depths_seen
+
+
+def selector_case(S: int, k: int, seed: int, zero: bool = False):
+    """A DFlash2 selector (random codebooks, or its step-0 zero successor codebook), slot states
+    (S, H), an anchor and the slots' candidates, over a 50-token vocabulary."""
+    from dflashpipe.dflash2 import CandidateSelector
+
+    torch.manual_seed(seed)
+    selector = CandidateSelector(vocab_size=50, hidden_size=12, rank=6, top_k=k)
+    if not zero:
+        torch.nn.init.normal_(selector.successor_codebook, std=2.0)
+        torch.nn.init.normal_(selector.hidden_projection.weight, std=1.0)
+        torch.nn.init.normal_(selector.predecessor_codebook, std=1.0)
+    lp, ids = candidates(S, k, seed)
+    return selector, torch.randn(S, 12), torch.tensor([7]), lp, ids
+
+
+def tree_paths(tree) -> list[tuple[int, ...]]:
+    """Each valid node's token path from the root, in the tree's order."""
+    tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
+    out = []
+    for i in range(len(tokens)):
+        if not tree.valid[i]:
+            continue
+        path, j = [], i
+        while j >= 0:
+            path.append(tokens[j])
+            j = parents[j]
+        out.append(tuple(reversed(path)))
+    return out
+
+
+def selector_brute_force(selector, hidden, anchor, lp, ids, budget):
+    """Every token path of every depth scored in float64 as p(path) = prod over slots of the
+    slot's top-k unary mass x the selector's softmax over its k candidates of (unary log-prob +
+    edge from the previous token), computed here one path at a time; the best `budget` paths."""
+    S, k = lp.shape
+    scored = []
+    with torch.no_grad():
+        for d in range(1, S + 1):
+            for ranks in itertools.product(range(k), repeat=d):
+                prev, score, path = int(anchor), 0.0, []
+                for depth, r in enumerate(ranks):
+                    cand = ids[depth]
+                    edge = selector.edge_scores(
+                        hidden[depth][None], torch.tensor([prev]), cand[None]
+                    )[0]
+                    s = lp[depth].double() + edge.double()
+                    mass = lp[depth].double().exp().sum()
+                    score += (s[r].exp() / s.exp().sum() * mass).log().item()
+                    prev = int(cand[r])
+                    path.append(prev)
+                scored.append((-score, tuple(path)))
+    return [p for _, p in sorted(scored)[:budget]]
+
+
+@pytest.mark.parametrize("S, k, budget", [(3, 3, 10), (4, 2, 9), (2, 4, 12)])
+def test_selector_tree_is_the_best_budget_paths_under_the_selectors_scores(S, k, budget):
+    """A DFlash2 drafter's tree: every node's children scored by the selector from the node's own
+    token; the device tree holds exactly the best `budget` paths of a one-path-at-a-time
+    enumeration, parents first, and differs from the unary tree on the same candidates."""
+    selector, hidden, anchor, lp, ids = selector_case(S, k, seed=S * 10 + k)
+    with torch.no_grad():
+        tree = grow_tree(lp, ids, budget, selector, hidden, anchor)
+    paths = tree_paths(tree)
+    want = selector_brute_force(selector, hidden, anchor, lp, ids, budget)
+    assert sorted(paths) == sorted(want) and len(paths) == budget
+    assert all(p[:-1] in paths[:i] for i, p in enumerate(paths) if len(p) > 1)  # parents first
+    assert sorted(tree_paths(grow_tree(lp, ids, budget))) != sorted(paths)
+
+
+def test_selector_tree_at_step_0_is_the_unary_tree():
+    """A zero successor codebook (the selector as initialised) adds no edge: the same tree."""
+    selector, hidden, anchor, lp, ids = selector_case(4, 3, seed=3, zero=True)
+    with torch.no_grad():
+        got = grow_tree(lp, ids, 12, selector, hidden, anchor)
+    want = grow_tree(lp, ids, 12)
+    for name in ("tokens", "parents", "depth", "valid"):
+        assert getattr(got, name).tolist() == getattr(want, name).tolist(), name

@@ -3,6 +3,7 @@
     device state    T = committed length, anchor = last accepted token (engine.py)
     draft           drafter block [anchor, MASK x S] -> per slot 1..S top-k log-probs and ids
     tree            tree_search.grow_tree(..., budget): the best `budget` prefixes, fixed shape
+                    (a DFlash2 drafter's: each node's children scored by its selector)
                     (unreachable ones padded), parents, depths, ancestor matrix
     verify          target([anchor, node tokens]) at positions T + depth, slots T..T+budget,
                     visible = ancestor-or-self (a windowed layer's mask also measures the
@@ -46,6 +47,8 @@ class TreeSteps:
             raise ValueError("this Engine was built without a drafter; pass drafter= to decode")
         self.engine = engine
         self.block_size = engine.drafter.block_size
+        # a DFlash2 drafter's tree: each node's children scored by the selector from its token
+        self.selector = getattr(engine.drafter.drafter, "candidate_selector", None)
         self.device = engine.device
         self.packed: dict[tuple[int, int], torch.Tensor] = {}  # (budget, k) -> [L+1, g[rows]]
         # The search and the walk are dozens of small ops: compiled with the engine's layers,
@@ -68,8 +71,8 @@ class TreeSteps:
     def _step(self, budget: int, k: int) -> None:
         e = self.engine
         T = e.length
-        logprobs, ids = e.drafter.top_k(e.anchor, T, k)  # (S, k) each
-        tree = self.grow(logprobs, ids, budget)
+        logprobs, ids, hidden = e.drafter.top_k(e.anchor, T, k)  # (S, k), (S, k), (S, H)
+        tree = self.grow(logprobs, ids, budget, self.selector, hidden, e.anchor)
         tokens, positions, slots = self.inputs(e.anchor, tree, T)  # (n,) each
         logits, states = e.target.forward(tokens, positions, slots, T, tree.visible, taps=True)
         rows, count, accepted = self.walk(tree, logits)

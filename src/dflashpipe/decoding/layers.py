@@ -19,7 +19,7 @@ attend over, not in how a layer computes.
     drafter_inputs, context_rows   the block [anchor, MASK x B-1] at T..T+B-1 and its masks; the
                                    target's tapped rows into every drafter layer's context K/V
     chain_drafts, tree_candidates  greedy drafts (a DFlash2 drafter's: its selector's walk) or
-                                   per-slot top-k of the drafter's last rows
+                                   per-slot top-k of the drafter's last rows and their states
 
 Layout, chosen for the hot paths: rows, then tokens, then heads, as projections come out of the
 matmuls (x (N, Q, H), K/V (N, Q, Hkv, D)); one index_put_ (buffer[rows, :, slots]) writes them,
@@ -324,10 +324,12 @@ def selected(drafter: Drafter, h: Tensor, anchor: Tensor) -> Tensor:
     return logits.argmax(-1) if selector is None else selector.walk(h, logits, anchor)[0]
 
 
-def tree_candidates(drafter: Drafter, x: Tensor, k: int) -> tuple[Tensor, Tensor]:
+def tree_candidates(drafter: Drafter, x: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor]:
     """Per slot 1..B-1 of one block's rows x (B, H) the k most likely tokens: float32
-    log-probabilities and ids (B-1, k)."""
-    return draft_candidates(drafter.lm_head(drafter.norm(x)[1:]), k)
+    log-probabilities and ids (B-1, k), and the slots' final states (B-1, H) (a DFlash2
+    drafter's selector scores the tree's edges from them: tree_search.grow_tree)."""
+    h = drafter.norm(x)[1:]
+    return (*draft_candidates(drafter.lm_head(h), k), h)
 
 
 def accept_chain(

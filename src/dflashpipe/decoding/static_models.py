@@ -326,6 +326,7 @@ class StaticDrafter:
         return self.chain(self.drafter, x, anchor)[0]
 
     @torch.no_grad()
-    def top_k(self, anchor: Tensor, length: Tensor, k: int) -> tuple[Tensor, Tensor]:
-        """Per slot 1..B-1 the k most likely tokens: float32 log-probabilities and ids (B-1, k)."""
+    def top_k(self, anchor: Tensor, length: Tensor, k: int) -> tuple[Tensor, Tensor, Tensor]:
+        """Per slot 1..B-1 the k most likely tokens: float32 log-probabilities and ids (B-1, k),
+        and the slots' final states (B-1, H) (layers.tree_candidates)."""
         return self.candidates(self.drafter, self.block_rows(anchor, length), k)

@@ -24,6 +24,13 @@ that pushed it: its parent or its previous sibling):
   It is *not* always the first S nodes: a likely second candidate at slot 1 outranks a chain
   node deep behind an unsure slot. With k = 1 the tree is the chain cut at `budget`.
 
+A DFlash2 drafter's tree (`selector`): a node's children are its slot's same k candidates, but
+scored from the node's own token, p(child | node) = the slot's top-k unary mass x the selector's
+softmax over the k of (unary log-prob + edge(node's token, child)) (`selector_step`); the tree is
+again the best `budget` paths, parents first. With every edge 0 (the selector at step 0) it is
+the unary tree; otherwise the chain guarantees above hold for the selector's scores only in
+part: its greedy walk need not be the best path of each depth.
+
 tests/tree_reference.py holds the same search on the host (a heap over rank prefixes) and its
 walk: the reference the device tree is tested against.
 """
@@ -34,7 +41,7 @@ import math
 from typing import NamedTuple
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 
 def draft_candidates(logits: Tensor, k: int) -> tuple[Tensor, Tensor]:
@@ -56,7 +63,10 @@ class StaticTree(NamedTuple):
     slots: int  # S, the deepest a node can be
 
 
-def grow_tree(top_logprobs: Tensor, top_ids: Tensor, budget: int) -> StaticTree:
+def grow_tree(
+    top_logprobs: Tensor, top_ids: Tensor, budget: int, selector: nn.Module | None = None,
+    hidden: Tensor | None = None, anchor: Tensor | None = None,
+) -> StaticTree:  # fmt: skip
     """The best-first tree (module docstring) on the device, without a host sync or a data-dependent shape: the same
     nodes, parents and order when no two prefixes score exactly alike (tests compare), and always
     a best-scoring, parent-closed set of min(budget, sum_d k^d) prefixes.
@@ -66,7 +76,11 @@ def grow_tree(top_logprobs: Tensor, top_ids: Tensor, budget: int) -> StaticTree:
     every node the tree needs; one stable sort of the S*N, depth-major, picks the tree (a parent
     scores no less than its child and sits at the shallower depth, so it always comes first).
     Scores are float64 sums, as in the host reference; log-probs are clamped to -1e30 so that only an
-    unreachable prefix scores -inf."""
+    unreachable prefix scores -inf.
+
+    `selector` (a DFlash2 drafter's CandidateSelector, with `hidden` (S, H) the drafter's final
+    states of the slots and `anchor` (1,) the root's token): a node's step score depends on its
+    parent's token, `selector_step`; the beam argument holds as each step scores <= 0."""
     if budget < 1:
         raise ValueError(f"budget {budget} must be >= 1")
     S, k = top_logprobs.shape
@@ -77,13 +91,18 @@ def grow_tree(top_logprobs: Tensor, top_ids: Tensor, budget: int) -> StaticTree:
     beam = torch.full((budget,), -math.inf, dtype=torch.float64, device=device)
     beam = torch.where(torch.arange(budget, device=device) == 0, 0.0, beam)
     scores, parent_pos, tokens = [], [], []
+    previous = None if selector is None else anchor.expand(budget)  # (N,) each prefix's last token
     for d in range(S):
-        cand = (beam[:, None] + lp[d][None, :]).flatten()  # (N*k,): parent-major, then rank
+        step = lp[d][None, :]  # (1, k): the unary log-probs, whatever the parent
+        if selector is not None:
+            step = selector_step(selector, hidden[d], previous, ids[d], lp[d])  # (N, k)
+        cand = (beam[:, None] + step).flatten()  # (N*k,): parent-major, then rank
         best = cand.sort(descending=True, stable=True).indices[:budget]  # (N,)
         beam = cand[best]
         scores.append(beam)
         parent_pos.append(best // k)  # the parent's position in the previous depth's beam
         tokens.append(ids[d][best % k])
+        previous = tokens[-1]
     flat = torch.cat(scores)  # (S*N,), depth-major
     chosen = flat.sort(descending=True, stable=True).indices[:budget]  # (N,) flat positions
     valid = flat[chosen] > -math.inf
@@ -101,6 +120,19 @@ def grow_tree(top_logprobs: Tensor, top_ids: Tensor, budget: int) -> StaticTree:
         visible=_ancestors(parents, S),
         slots=S,
     )
+
+
+def selector_step(
+    selector: nn.Module, hidden: Tensor, previous: Tensor, ids: Tensor, logprobs: Tensor
+) -> Tensor:
+    """One slot's step scores (N, k) for prefixes ending in `previous` (N,): the slot's top-k mass
+    under the unary distribution (`logprobs` (k,), float64) shared out by the selector's softmax
+    over the k candidates `ids` (k,) of (unary log-prob + its edge from the previous token),
+    `hidden` (H,) the slot's final state. With every edge 0 (a zero successor codebook, the
+    selector at step 0) it is the unary log-prob itself, so the tree is the unary tree."""
+    n, k = previous.shape[0], ids.shape[0]
+    edge = selector.edge_scores(hidden.expand(n, -1), previous, ids.expand(n, k))  # (N, k)
+    return (logprobs + edge.double()).log_softmax(-1) + logprobs.logsumexp(-1)
 
 
 def _ancestors(parents: Tensor, max_depth: int) -> Tensor:
