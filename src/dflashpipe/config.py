@@ -420,7 +420,7 @@ DFLASH2_SIZES = ("conv_kernel_size", "conv_group_size", "selector_rank", "select
 
 @section("properties", "train", "properties", "selector")
 class SelectorConfig:
-    """train.selector: the DFlash2 selector's loss term (loss.selector_loss); keys, defaults and
+    """train.selector: the DFlash2 selector's loss term (selector_loss.py); keys, defaults and
     their meaning: the schema's `train.selector`."""
 
     alpha: float

@@ -69,7 +69,7 @@ def selector_width(block_size: int) -> int:
 
 
 def selector_sums(m: dict) -> torch.Tensor:
-    """One micro-batch's selector sums (loss.selector_loss's metrics) as one device vector."""
+    """One micro-batch's selector sums (selector_loss.selector_loss's metrics) as one device vector."""
     return torch.cat([m["top_k_hits"], m["selector_correct"], m["path_correct"],
                       m["unary_loss"][None], m["selector_loss"][None]]).float()  # fmt: skip
 

@@ -56,13 +56,11 @@ from dflashpipe.features import (
 from dflashpipe.launcher import TrainPaths, die_with_parent
 from dflashpipe.loss import (
     block_labels,
-    block_previous,
     block_soft_targets,
     block_target_hidden,
     default_gamma,
     dflash_loss,
     greedy_labels,
-    selector_loss,
     target_argmax,
 )
 from dflashpipe.metrics import (
@@ -75,6 +73,7 @@ from dflashpipe.metrics import (
     step_flops,
 )
 from dflashpipe.model import FROZEN_PREFIXES, Drafter, DrafterConfig, init_from_target_layers
+from dflashpipe.selector_loss import block_previous, selector_loss
 from dflashpipe.shards import check_manifest, verify_shard
 from dflashpipe.stages import ABSENT, digest_keys, fingerprint_keys
 from dflashpipe.stages import value as config_value
@@ -131,7 +130,7 @@ def forward_loss(
     its top-k (`topk_ids`, `topk_logprobs`).
 
     selector (a dflash2 drafter): (its CandidateSelector, train.selector, alpha at this step):
-    alpha x the selector's K-way cross-entropy over the unary top K is added (loss.selector_loss;
+    alpha x the selector's K-way cross-entropy over the unary top K is added (selector_loss.selector_loss;
     the top K found inside the loss's chunks), its counts in the metrics."""
     loss = loss or LossConfig()
     cuda = b["input_ids"].is_cuda
