@@ -141,3 +141,24 @@ def test_lookup_host_benchmark_plans_every_rows_drafts():
     bench.ConcurrentEngine._plan_lookups(engine, "lookup@5", busy)
     want = [[5, 4, 5, 6, 1, 2], [2, 8, 9, 0, 0, 0]]  # [count, drafts..., padding (was 7)]
     assert engine.drafts["lookup@5"].tolist() == want == engine.plans["lookup@5"].tolist()
+
+
+def test_final_hidden_codec_compares_distributions():
+    """benchmarks/final_hidden_codec.py's measure on hand-made logits: nothing between equal
+    ones; a moved argmax and KL(p || q) = sum p log(p / q) computed by hand between two."""
+    import math
+
+    import torch
+
+    compare = _script("final_hidden_codec").compare
+    ref = torch.tensor([[2.0, 1.0, 0.0], [0.0, 3.0, 0.0]])
+    same = compare(ref, ref)
+    assert same["kl_mean"] == same["argmax_changed"] == same["tv_mean"] == 0
+    other = torch.tensor([[1.0, 2.0, 0.0], [0.0, 3.0, 0.0]])  # row 0's top two swapped
+    got = compare(ref, other)
+    p = torch.softmax(ref[0], -1).tolist()
+    q = torch.softmax(other[0], -1).tolist()
+    kl0 = sum(a * math.log(a / b) for a, b in zip(p, q, strict=True))
+    assert got["argmax_changed"] == 0.5
+    assert abs(got["kl_mean"] - kl0 / 2) < 1e-6
+    assert abs(got["tv_mean"] - sum(abs(a - b) for a, b in zip(p, q, strict=True)) / 4) < 1e-6

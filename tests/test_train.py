@@ -880,3 +880,30 @@ def test_greedy_labels_follow_the_targets_argmax_from_either_source(
     _, _, top_final, (got_final, keep_final) = greedy(final_features)
     agree = (top_final == top)[valid].float().mean()
     assert agree > 0.95, agree
+
+
+def test_greedy_labels_read_the_stored_top_1_where_the_final_state_is_stored_too(
+    tmp_path, tiny_features, tmp_path_factory
+):
+    """Features with both the final hidden state and the top-1: greedy labels come from the
+    top-1 (the target's own argmax at extract; a quantized final state's argmax moves on some
+    positions: benchmarks/final_hidden_codec.py). With the stored top-1 moved to another token,
+    the greedy cross-entropy follows it: equal to the one read from the top-1 alone, unlike the
+    one read from the final state alone."""
+    from conftest import reextracted
+
+    from dflashpipe.train import forward_loss
+
+    features = reextracted(tiny_features, tmp_path_factory, "final-top1",
+                           final_hidden=True, topk=1)  # fmt: skip
+    raw = json.loads(json.dumps(features["raw"]))
+    raw["train"]["loss"] = {"labels": "greedy"}
+    t = Trainer(Config.from_dict(raw), features["manifest"], tmp_path / "g", torch.device("cpu"))
+    assert t.source.final and t.topk == 1 and "top-1" in t.source.describe()
+    b = _first_batch(t)
+    b["topk_ids"] = (b["topk_ids"] + 1) % t.head.shape[0]  # another token than the target's argmax
+    only_top1 = {k: v for k, v in b.items() if k != "target_final"}
+    only_final = {k: v for k, v in b.items() if k not in ("topk_ids", "topk_logprobs")}
+    both, top1, final = (forward_loss(t.model, t.head, x, 8, 4.0, loss=t.tc.loss)[0].item()
+                         for x in (b, only_top1, only_final))  # fmt: skip
+    assert both == top1 and both != final

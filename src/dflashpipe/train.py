@@ -140,14 +140,17 @@ def forward_loss(
     labels, valid = block_labels(b["input_ids"], b["document_ids"], b["loss_mask"], b["anchors"],
                                  b["keep"], block_size)  # fmt: skip
     d = 1 - rank[0] if loss.objective == "forward_kl" else distill_weight
-    soft = target = None
-    if (d or loss.labels == "greedy") and "target_final" in b:
+    greedy = loss.labels == "greedy"
+    soft = target = None  # the target's distribution: its final states, else its top-k
+    if (d or greedy) and "target_final" in b:
         target = block_target_hidden(b["target_final"], b["anchors"], block_size).to(head.dtype)
-    elif d or loss.labels == "greedy":
+    if (greedy or (d and target is None)) and "topk_ids" in b:
         soft = block_soft_targets(b["topk_ids"], b["topk_logprobs"], b["anchors"], block_size)
-    if loss.labels == "greedy":  # the target's argmax: extract's top-1, or from its head
+    if greedy:  # the target's argmax: extract's top-1 where stored (exact), else from its head
         top = soft[0] if soft is not None else target_argmax(target, head)[..., None]
         labels, valid = greedy_labels(labels, valid, top)
+    if target is not None:
+        soft = None  # the KL reads the whole distribution
     objective = "expected_length" if loss.objective == "expected_length" else "cross_entropy"
     hidden = out.to(head.dtype)
     top_k = selector[0].top_k if selector else 0
