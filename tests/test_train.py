@@ -12,6 +12,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
+import yaml
 from conftest import write_yaml
 
 from dflashpipe import checkpoint
@@ -244,12 +245,24 @@ def test_sample_fraction_trains_on_a_seeded_share(tmp_path, tiny_features):
 
 
 def test_two_processes(tmp_path, tiny_features):
-    args, out = _train(tmp_path, tiny_features, "ddp", cpu_processes=2, epochs=1, val_samples=8)
+    """DDP over two processes on a DFlash2 drafter (the DFlash backbone plus its convolutions and
+    selector; DFlash alone under DDP: test_fsdp_matches_ddp_and_resumes_after_a_kill), the
+    selector's term at alpha 0 on the first step (its warm-up: every parameter must still
+    reach the reducer) and on after it (gold tokens outside the untrained top K replace the
+    weakest, so the term is not empty): trains, reduces the held-out figures, exports DFlash2."""
+    args, out = _train(tmp_path, tiny_features, "ddp", cpu_processes=2, epochs=1, val_samples=8,
+                       selector={"warmup_steps": 1, "outside_top_k": "replace"})  # fmt: skip
+    raw = yaml.safe_load(Path(args[0]).read_text())
+    raw["drafter"]["architecture"] = "dflash2"
+    write_yaml(Path(args[0]), raw)
     _launch(*args)
     assert (out / "drafter" / "model.safetensors").is_file()
+    exported = json.loads((out / "drafter" / "config.json").read_text())
+    assert exported["architectures"] == ["DFlash2DraftModel"]
     rows = _rows(out / "metrics.jsonl")
     assert rows[-1]["step"] >= 2
     assert rows[-1]["val_expected_acceptance"] >= 1  # held-out part of each rank, reduced
+    assert rows[-1]["selector_loss"] > 0 and "val_selector_expected_acceptance" in rows[-1]
 
 
 def test_held_out_prompts_keep_all_their_answers_out_of_training():
