@@ -67,6 +67,25 @@ def test_missing_local_target_is_named():
         load_target(TargetConfig(model="resources/nothing-here"), torch.device("cpu"))
 
 
+def test_a_conversion_parses_its_gguf_once(smollm2_dir):
+    """Inside target.parsed_once every GGUFReader of one file is the same parsed reader (the
+    conversion's four loads share one parse: Gemma 3's conversion 104 s -> 54 s); outside it,
+    and again after an error inside it, each call parses afresh."""
+    import gguf
+
+    from dflashpipe.target import parsed_once
+
+    path = smollm2_dir / SMOLLM2_GGUF
+    original = gguf.GGUFReader
+    with parsed_once():
+        first = gguf.GGUFReader(path)
+        assert gguf.GGUFReader(str(path)) is first and "tokenizer.ggml.tokens" in first.fields
+    assert gguf.GGUFReader is original
+    with pytest.raises(RuntimeError), parsed_once():
+        raise RuntimeError("a failed load")
+    assert gguf.GGUFReader is original and gguf.GGUFReader(path) is not first
+
+
 def test_gguf_cache_matches_a_direct_gguf_load(smollm2_dir, smollm2_cache, converted_smollm2):
     """The converted directory (made by gguf_cache for the whole run: smollm2_cache) gives the
     GGUF's own weights, tokenizer and template (every weight, base model and LM head), and is
