@@ -18,6 +18,8 @@
                 engine, c rows at a time for each C (2 x C prompts of the same lengths, refilled
                 as rows finish), target-only and DFlash: ms per step (wall / steps, refill packs
                 in the steps included) and generated tok/s
+    --architecture dflash2: the DFlash2 drafter (its convolutions, its selector's walk in the
+    chain and its scores in the tree) at the same shape, for its step's cost against DFlash's.
     --block (default 16; the quality recipe's drafter: 8) and --capacity (the engine's slots;
     evaluate sizes them by its longest prompt: 784 on the quality recipe's eval prompts) match a
     run's shapes.
@@ -100,9 +102,13 @@ def say(*what) -> None:
     print(time.strftime("%H:%M:%S"), *what, flush=True)
 
 
-def build(shape: Shape, device: torch.device, dtype: torch.dtype, smoke: bool, block: int):
+def build(
+    shape: Shape, device: torch.device, dtype: torch.dtype, smoke: bool, block: int,
+    architecture: str = "dflash",
+):  # fmt: skip
     """Random target and drafter, created on `device` in `dtype` (an 8B model initialized on the
-    CPU takes minutes, and in float32 twice the memory)."""
+    CPU takes minutes, and in float32 twice the memory); `architecture` dflash2: the drafter's
+    convolutions and selector at their default sizes (random, not the identity)."""
     sizes = shape.sizes | (SMOKE if smoke else {})
     taps = [t for t in shape.taps if t < sizes["num_hidden_layers"]]
     torch.manual_seed(0)
@@ -115,8 +121,11 @@ def build(shape: Shape, device: torch.device, dtype: torch.dtype, smoke: bool, b
             num_layers=2 if smoke else DRAFTER_LAYERS,
             block_size=block,
             target_layer_ids=taps,
+            architecture=architecture,
         )
         drafter = Drafter.from_target_model(cfg, model)  # shares the target's embedding, head
+        if architecture == "dflash2":  # a trained selector's edges, not step 0's zeros
+            torch.nn.init.normal_(drafter.candidate_selector.successor_codebook, std=0.02)
     model.eval().requires_grad_(False)
     return model, drafter.to(dtype).eval().requires_grad_(False), taps
 
@@ -255,7 +264,8 @@ def profile_step(engine: Engine, kind: str, prompt: list[int], replays: int) -> 
 
 
 def measure_shape(name: str, args, device: torch.device, dtype: torch.dtype) -> dict:
-    model, drafter, taps = build(SHAPES[name], device, dtype, args.smoke, args.block)
+    model, drafter, taps = build(SHAPES[name], device, dtype, args.smoke, args.block,
+                                 args.architecture)  # fmt: skip
     prompts = make_prompts(args.prompt_lens, args.prompts, model.config.vocab_size)
     new = args.new_tokens
     params = sum(p.numel() for p in model.parameters()) / 1e6
@@ -368,6 +378,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--budgets", type=int, nargs="+", default=[16, 32, 64, 128])
     ap.add_argument("--top-k", type=int, default=8)
     ap.add_argument("--block", type=int, default=16, help="drafter block size (quality: 8)")
+    ap.add_argument("--architecture", choices=["dflash", "dflash2"], default="dflash",
+                    help="the drafter's: dflash2 adds its convolutions and selector")  # fmt: skip
     ap.add_argument(
         "--capacity",
         type=int,

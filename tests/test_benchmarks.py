@@ -59,6 +59,19 @@ def test_evaluate_benchmark_smoke(tmp_path):
         assert methods["engine (no graphs) dflash"]["x_target_step"] > 1.0
 
 
+def test_evaluate_benchmark_smoke_on_a_dflash2_drafter(tmp_path):
+    """--architecture dflash2: the same steps with the DFlash2 drafter (its convolutions, the
+    selector's walk and tree), so the GPU run prices its step against DFlash's."""
+    res = _script("evaluate").main(["--smoke", "--shapes", "smollm2", "--budgets", "16",
+                                    "--concurrency", "2", "--architecture", "dflash2",
+                                    "--out", str(tmp_path / "e.json")])  # fmt: skip
+    methods = res["smollm2"]["methods"]
+    for name in ("engine (no graphs) dflash", "engine (no graphs) ddtree@16",
+                 "engine (no graphs) rows c=2 dflash"):  # fmt: skip
+        assert methods[name]["ms_per_step"] > 0 and methods[name]["steps"] > 0
+    assert res["args"]["architecture"] == "dflash2"
+
+
 def test_loader_benchmark_smoke(tmp_path):
     """Every codec's micro-batch time, the quantized ones also as stored, against the step."""
     res = _script("loader").main(["--smoke", "--repeats", "2", "--out", str(tmp_path / "l.json")])
