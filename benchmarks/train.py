@@ -2,7 +2,7 @@
 
 Qwen3-8B drafter: 5 layers, hidden 4096, GQA 32/8, head_dim 128, MLP 12288, block 16, vocab
 151936 (frozen random embedding and LM head), 512 anchors per 3072-token micro-batch, random
-target features. The step is the train stage's (`train.forward_loss`): `Drafter` forward
+target features. The step is the train stage's (`objective.forward_loss`): `Drafter` forward
 (float32 master weights, bf16 autocast, compiled layers, flex attention), `block_labels`, chunked
 `dflash_loss` against the bf16 head, backward, clip, fused AdamW. FLOPs by
 `metrics.step_flops` (formula in its docstring); MFU over the card's dense bf16 peak
@@ -29,8 +29,8 @@ from dflashpipe.codecs import encode
 from dflashpipe.data import PackedBatches, Sample, make_loader
 from dflashpipe.metrics import step_flops
 from dflashpipe.model import Drafter, DrafterConfig
+from dflashpipe.objective import compute_head, forward_loss
 from dflashpipe.shards import ShardInfo, feature_row, write_shard
-from dflashpipe.train import compute_head, forward_loss
 
 FULL = dict(hidden_size=4096, intermediate_size=12288, num_attention_heads=32, num_key_value_heads=8,
             head_dim=128, vocab_size=151936, tokens=3072, anchors=512, layers=5)  # fmt: skip

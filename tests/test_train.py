@@ -146,7 +146,8 @@ def test_train_distills_the_targets_top_k(tmp_path, tiny_topk_features, tiny_fea
     (held-out passes included) and exports; a batch's loss is (1 - d) x its hard loss + d x its
     KL; shards without soft targets are refused, named."""
     from dflashpipe.data import PackedBatches, epoch_plan, index_samples
-    from dflashpipe.train import forward_loss, main
+    from dflashpipe.objective import forward_loss
+    from dflashpipe.train import main
 
     raw = json.loads(json.dumps(tiny_topk_features["raw"]))
     raw["train"].update(distill_weight=0.5, max_steps=4, log_every=1, val_samples=4, val_every=2)
@@ -186,7 +187,8 @@ def test_train_with_the_ranking_term(tmp_path, tiny_features):
     exports; a batch's loss is 0.7 x its cross-entropy + 0.3 x its ranking term, which is > 0;
     the term's shares beside distill_weight are checked at config time."""
     from dflashpipe.data import PackedBatches, epoch_plan
-    from dflashpipe.train import forward_loss, main
+    from dflashpipe.objective import forward_loss
+    from dflashpipe.train import main
 
     raw = json.loads(json.dumps(tiny_features["raw"]))
     raw["train"].update(rank_weight=0.3, rank_k=4, max_steps=3, log_every=1)
@@ -653,7 +655,7 @@ def test_dropout_and_weight_decay_regularize_training_only(tmp_path, tiny_featur
     with zero gradients shrinks the matrices by lr x decay and leaves the norms' gains alone;
     both are other runs' checkpoints (fingerprint)."""
     from dflashpipe.data import PackedBatches, epoch_plan
-    from dflashpipe.train import forward_loss
+    from dflashpipe.objective import forward_loss
 
     raw = json.loads(json.dumps(tiny_features["raw"]))
     raw["train"].update(dropout=0.5, weight_decay=0.1, val_samples=4, lr=0.01, warmup_ratio=0)
@@ -795,7 +797,7 @@ def test_default_loss_is_the_old_decay_cross_entropy(tmp_path, tiny_features, fi
     a float64 decay-weighted cross-entropy; features that also hold the final hidden states
     train the same drafter inputs (the final block is split off before fc)."""
     from dflashpipe.loss import block_labels, dflash_loss
-    from dflashpipe.train import forward_loss
+    from dflashpipe.objective import forward_loss
 
     cfg = Config.from_dict(tiny_features["raw"])
     assert cfg.train.loss.objective == "cross_entropy" and "loss" not in cfg.raw["train"]
@@ -905,7 +907,7 @@ def test_greedy_labels_read_the_stored_top_1_where_the_final_state_is_stored_too
     one read from the final state alone."""
     from conftest import reextracted
 
-    from dflashpipe.train import forward_loss
+    from dflashpipe.objective import forward_loss
 
     features = reextracted(tiny_features, tmp_path_factory, "final-top1",
                            final_hidden=True, topk=1)  # fmt: skip
