@@ -310,3 +310,14 @@ def test_drafter_architecture_and_train_selector(tmp_path):
     assert SelectorConfig(alpha=0.3).alpha_at(0) == 0.3  # no warm-up, no ramp: alpha at once
     default = SelectorConfig()
     assert (default.alpha, default.stop_gradient, default.outside_top_k) == (1.0, False, "skip")
+
+
+def test_the_package_reads_the_workflows_schema():
+    """src/dflashpipe/config.schema.yaml is a link to workflow/schemas/config.schema.yaml (the
+    one Snakemake validates against), so an edit of either is an edit of both: an editor that
+    replaces the link by a file (sed -i does) would fork the two silently."""
+    from conftest import REPO
+
+    package = REPO / "src" / "dflashpipe" / "config.schema.yaml"
+    workflow = REPO / "workflow" / "schemas" / "config.schema.yaml"
+    assert package.is_symlink() and package.resolve() == workflow.resolve()
