@@ -316,8 +316,6 @@ def test_the_package_reads_the_workflows_schema():
     """src/dflashpipe/config.schema.yaml is a link to workflow/schemas/config.schema.yaml (the
     one Snakemake validates against), so an edit of either is an edit of both: an editor that
     replaces the link by a file (sed -i does) would fork the two silently."""
-    from conftest import REPO
-
     package = REPO / "src" / "dflashpipe" / "config.schema.yaml"
     workflow = REPO / "workflow" / "schemas" / "config.schema.yaml"
     assert package.is_symlink() and package.resolve() == workflow.resolve()
