@@ -268,7 +268,8 @@ def test_train_loss_defaults_to_decay_cross_entropy_and_is_checked(tmp_path):
 
 def test_drafter_architecture_and_train_selector(tmp_path):
     """Issue 63: unset, the drafter is dflash with no selector; the DFlash2 sizes and
-    train.selector are refused on a dflash drafter naming the key, FSDP2 on a dflash2 one;
+    train.selector (and evaluate.tree_scores) are refused on a dflash drafter naming the key,
+    FSDP2 on a dflash2 one;
     alpha's schedule: 0 through the warm-up, then a linear ramp to alpha."""
     from dflashpipe.config import SelectorConfig
     from dflashpipe.preflight import check_config
@@ -277,9 +278,10 @@ def test_drafter_architecture_and_train_selector(tmp_path):
     assert cfg.drafter.architecture == "dflash" and cfg.train.selector is None
     assert cfg.drafter.model_fields() == {"architecture": "dflash"}
 
-    def refused(drafter, train=None):
+    def refused(drafter, train=None, evaluate=None):
         raw = base_config(tmp_path)
         raw.update(drafter=drafter, train=train or {})
+        raw["evaluate"] = raw.get("evaluate", {}) | (evaluate or {})
         with pytest.raises(ConfigError) as e:
             check_config(Config.from_dict(raw))
         return str(e.value)
@@ -299,6 +301,12 @@ def test_drafter_architecture_and_train_selector(tmp_path):
     ]  # fmt: skip
     for drafter, train, named in cases:
         assert named in refused(drafter, train), (drafter, train, named)
+    assert "evaluate.tree_scores is set with drafter.architecture dflash" in refused(
+        {}, None, {"tree_scores": "unary"}
+    )
+    assert "evaluate.tree_scores: 'chain' is not one of" in refused(
+        {"architecture": "dflash2"}, None, {"tree_scores": "chain"}
+    )
     raw = base_config(tmp_path)
     raw.update(drafter={"architecture": "dflash2", "selector_top_k": 8},
                train={"selector": {"alpha": 2.0, "warmup_steps": 3, "ramp_steps": 4}})  # fmt: skip

@@ -530,3 +530,23 @@ def test_ddtree_on_a_dflash2_drafter_grows_its_selectors_tree_and_stays_lossless
                 differs += any(not torch.equal(getattr(tree, f), getattr(unary, f))
                                for f in ("tokens", "parents"))  # fmt: skip
     assert differs
+
+
+def test_evaluate_tree_scores_unary_builds_a_dflash2_drafters_tree_without_its_selector():
+    """evaluate.tree_scores unary (runner.Decoders): the DFlash2 drafter's DDTree from its unary
+    log-probs alone, still the target's greedy output; unset, the selector scores it."""
+    import test_official as case
+
+    from dflashpipe.decoding.runner import Decoders
+
+    target = case.runs_target("llama")
+    drafter = case.make_drafter(target, "dflash2")
+    prompt = case.PROMPTS[1]
+    outputs = {}
+    for scores in (None, "unary"):
+        d = Decoders(target, drafter, ["dflash", "ddtree"], "auto", 64, [6], 3,
+                     tree_scores=scores)  # fmt: skip
+        selector = d.engine.family("ddtree").selector
+        assert selector is (drafter.candidate_selector if scores is None else None)
+        outputs[scores] = d.decode("ddtree@6", prompt, case.NEW, set())
+        assert outputs[scores].output_ids == d.decode("target", prompt, case.NEW, set()).output_ids
