@@ -60,10 +60,12 @@ class TargetSource:
         return f"its top-{self.topk} (renormalized)" if self.topk else "none"
 
 
-def target_source(path: Path, manifest: dict, needs: list[str]) -> TargetSource:
+def target_source(
+    path: Path, manifest: dict, needs: list[str], greedy: bool = False
+) -> TargetSource:
     """Where the settings in `needs` (config.LossConfig.needs_target's) take the target's
-    distribution from; features holding neither source are refused, naming the manifest, the
-    settings and the extract keys that provide one."""
+    distribution from (`greedy`: train.loss.labels greedy among them); features holding neither
+    source are refused, naming the manifest, the settings and the extract keys that provide one."""
     if not needs:
         return TargetSource()
     k = manifest.get("topk", 0)  # manifests written before soft targets existed lack it
@@ -71,7 +73,6 @@ def target_source(path: Path, manifest: dict, needs: list[str]) -> TargetSource:
         # greedy labels take the stored top-1 where there is one: computed from the target's
         # own logits, where the final state's codec moves the argmax (fp8-zstd: 2.5% of
         # positions, fp4-zstd 6.8%, on SmolLM2: benchmarks/final_hidden_codec.py)
-        greedy = any(n.startswith("train.loss.labels") for n in needs)
         return TargetSource(topk=k if greedy else 0, final=True)
     if k:
         return TargetSource(topk=k)

@@ -188,7 +188,8 @@ class Trainer:
         manifest that vouches for it (the stage's own first, then train.extra_features')."""
         self.manifest = read_manifest(manifest_path)
         needs = self.tc.loss.needs_target(self.tc.distill_weight)
-        self.source = target_source(manifest_path, self.manifest, needs)
+        self.source = target_source(manifest_path, self.manifest, needs,
+                                    greedy=self.tc.loss.labels == "greedy")  # fmt: skip
         self.topk = self.source.topk
         # rows that end with the final hidden state have it split off before the drafter's fc
         self.final_width = self.manifest["hidden_size"] if self.manifest.get("final_hidden") else 0
