@@ -49,13 +49,13 @@ import gc
 import json
 import statistics
 import time
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
 import torch
 import transformers
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
+from shapes import SHAPES, Shape
+from transformers import AutoModelForCausalLM
 
 import dflashpipe.decoding.ddtree  # noqa: F401 (registers the engine's "ddtree" steps)
 from dflashpipe.decoding.concurrent import ConcurrentEngine
@@ -65,36 +65,9 @@ from dflashpipe.decoding.types import Decoded
 from dflashpipe.model import Drafter, DrafterConfig
 
 DRAFTER_LAYERS = 5
-# --smoke: tiny shapes on the CPU that still take every code path (graphs are CUDA-only).
-SMOKE = dict(num_hidden_layers=4, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-             num_key_value_heads=2, head_dim=16, vocab_size=1024)  # fmt: skip
 SMOKE_PROMPT_LENS = [12, 16, 19]
 SMOKE_NEW_TOKENS = 6
 GOALS = {"speedup": 10.0, "ms_per_token": 1.9, "dflash_steps": 1.3}  # the issue's targets
-
-
-@dataclass(frozen=True)
-class Shape:
-    config: type[transformers.PretrainedConfig]
-    sizes: dict
-    taps: list[int]
-
-
-SHAPES = {
-    "smollm2": Shape(
-        LlamaConfig,
-        json.loads(Path(__file__).with_name("smollm2-135m.json").read_text()),
-        [1, 8, 14, 20, 27],
-    ),
-    "qwen3-8b": Shape(
-        Qwen3Config,
-        dict(vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
-             num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-             max_position_embeddings=40960, rms_norm_eps=1e-6, tie_word_embeddings=False,
-             rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
-        [1, 9, 17, 25, 33],
-    ),
-}  # fmt: skip
 
 
 def say(*what) -> None:
@@ -109,11 +82,10 @@ def build(
     """Random target and drafter, created on `device` in `dtype` (an 8B model initialized on the
     CPU takes minutes, and in float32 twice the memory); `architecture` dflash2: the drafter's
     convolutions and selector at their default sizes (random, not the identity)."""
-    sizes = shape.sizes | (SMOKE if smoke else {})
-    taps = [t for t in shape.taps if t < sizes["num_hidden_layers"]]
+    taps = shape.target_taps(smoke)
     torch.manual_seed(0)
     with torch.device(device):
-        config = shape.config(**sizes, attn_implementation="sdpa")
+        config = shape.target_config(smoke)
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
         cfg = DrafterConfig.from_target(
             model.config,
