@@ -268,7 +268,7 @@ def test_train_loss_defaults_to_decay_cross_entropy_and_is_checked(tmp_path):
 
 def test_drafter_architecture_and_train_selector(tmp_path):
     """Issue 63: unset, the drafter is dflash with no selector; the DFlash2 sizes and
-    train.selector (and evaluate.tree_scores) are refused on a dflash drafter naming the key,
+    train.selector (and evaluate.selector) are refused on a dflash drafter naming the key,
     FSDP2 on a dflash2 one;
     alpha's schedule: 0 through the warm-up, then a linear ramp to alpha."""
     from dflashpipe.config import SelectorConfig
@@ -301,11 +301,11 @@ def test_drafter_architecture_and_train_selector(tmp_path):
     ]  # fmt: skip
     for drafter, train, named in cases:
         assert named in refused(drafter, train), (drafter, train, named)
-    assert "evaluate.tree_scores is set with drafter.architecture dflash" in refused(
-        {}, None, {"tree_scores": "unary"}
+    assert "evaluate.selector is set with drafter.architecture dflash" in refused(
+        {}, None, {"selector": False}
     )
-    assert "evaluate.tree_scores: 'chain' is not one of" in refused(
-        {"architecture": "dflash2"}, None, {"tree_scores": "chain"}
+    assert "evaluate.selector: expected boolean, got 'unary'" in refused(
+        {"architecture": "dflash2"}, None, {"selector": "unary"}
     )
     raw = base_config(tmp_path)
     raw.update(drafter={"architecture": "dflash2", "selector_top_k": 8},

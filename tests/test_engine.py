@@ -532,21 +532,31 @@ def test_ddtree_on_a_dflash2_drafter_grows_its_selectors_tree_and_stays_lossless
     assert differs
 
 
-def test_evaluate_tree_scores_unary_builds_a_dflash2_drafters_tree_without_its_selector():
-    """evaluate.tree_scores unary (runner.Decoders): the DFlash2 drafter's DDTree from its unary
-    log-probs alone, still the target's greedy output; unset, the selector scores it."""
+def test_evaluate_selector_false_decodes_a_dflash2_drafter_from_its_unary_logits():
+    """evaluate.selector false (runner.Decoders): the DFlash2 drafter's chain drafts the unary
+    argmax and its DDTree is the unary tree, both still the target's greedy output; unset (true),
+    the selector walks the chain and scores the tree."""
     import test_official as case
 
+    from dflashpipe.decoding.layers import selected
     from dflashpipe.decoding.runner import Decoders
 
     target = case.runs_target("llama")
-    drafter = case.make_drafter(target, "dflash2")
     prompt = case.PROMPTS[1]
-    outputs = {}
-    for scores in (None, "unary"):
-        d = Decoders(target, drafter, ["dflash", "ddtree"], "auto", 64, [6], 3,
-                     tree_scores=scores)  # fmt: skip
-        selector = d.engine.family("ddtree").selector
-        assert selector is (drafter.candidate_selector if scores is None else None)
-        outputs[scores] = d.decode("ddtree@6", prompt, case.NEW, set())
-        assert outputs[scores].output_ids == d.decode("target", prompt, case.NEW, set()).output_ids
+    for on in (True, False):
+        drafter = case.make_drafter(target, "dflash2")
+        walker = drafter.candidate_selector
+        d = Decoders(target, drafter, ["dflash", "ddtree"], "auto", 64, [6], 3, selector=on)
+        assert d.engine.family("ddtree").selector is (walker if on else None)
+        assert (drafter.candidate_selector is not None) == on  # what the chain's step reads
+        greedy = d.decode("target", prompt, case.NEW, set()).output_ids
+        for method in ("dflash", "ddtree@6"):
+            assert d.decode(method, prompt, case.NEW, set()).output_ids == greedy, (on, method)
+    # the chain's drafts without it are the unary argmax, and they differ from the walk's
+    torch.manual_seed(0)
+    h, anchor = torch.randn(64, 3, drafter.config.hidden_size), torch.randint(0, 100, (64,))
+    with torch.no_grad():
+        unary = selected(drafter, h, anchor)
+        assert torch.equal(unary, drafter.lm_head(h).argmax(-1))
+        drafter.candidate_selector = walker
+        assert not torch.equal(selected(drafter, h, anchor), unary)

@@ -85,7 +85,7 @@ OTHER = {
     },
     "evaluate.methods": ["target", "dflash"],
     "evaluate.tree_nodes": [8],
-    "evaluate.tree_scores": {"drafter.architecture": "dflash2", "evaluate.tree_scores": "unary"},
+    "evaluate.selector": {"drafter.architecture": "dflash2", "evaluate.selector": False},
     "devices.extract": [0],
     "devices.train": [1],
 }
@@ -129,8 +129,8 @@ EXPECTED |= {f"regenerate.{k}": DOWN_FROM["regenerate"]
 EXPECTED |= {f"evaluate.{k}": DOWN_FROM["evaluate"]
              for k in _schema()["properties"]["evaluate"]["properties"]}  # fmt: skip
 # its partner (drafter.architecture dflash2) retrains; alone on a dflash2 run it reruns evaluate
-# (test_tree_scores_alone_reruns_evaluate)
-EXPECTED["evaluate.tree_scores"] = DOWN_FROM["train"]
+# (test_evaluate_selector_alone_reruns_evaluate)
+EXPECTED["evaluate.selector"] = DOWN_FROM["train"]
 
 
 def _leaf_schema(key):
@@ -208,13 +208,12 @@ def test_key_change_matrix(base):
             assert reruns == EXPECTED[key], (key, sorted(reruns), sorted(EXPECTED[key]))
 
 
-def test_tree_scores_alone_reruns_evaluate(base):
-    """On a DFlash2 run, evaluate.tree_scores unset, selector and unary: selector is the unset
-    default's tree but enters the digest once written; each edit reruns evaluate (and the
-    report) only."""
+def test_evaluate_selector_alone_reruns_evaluate(base):
+    """On a DFlash2 run, evaluate.selector unset, true and false: true decodes as unset does but
+    enters the digest once written; each edit reruns evaluate (and the report) only."""
     dflash2 = {"drafter.architecture": "dflash2"}
     runs = [Config.from_dict(_edited(base.raw, dflash2 | t))
-            for t in ({}, {"evaluate.tree_scores": "selector"}, {"evaluate.tree_scores": "unary"})]  # fmt: skip
+            for t in ({}, {"evaluate.selector": True}, {"evaluate.selector": False})]  # fmt: skip
     for a, b in itertools.combinations(runs, 2):
         direct = {s for s in stages.STAGES if stages.digest(a, s) != stages.digest(b, s)}
         assert direct == {"evaluate"} and stages.downstream(direct) == DOWN_FROM["evaluate"]

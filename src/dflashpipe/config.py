@@ -571,7 +571,7 @@ class EvaluateConfig:
     tree_top_k: int
     engine: str
     enable_thinking: bool | None = None  # regenerate's: prompts encoded as the answers were
-    tree_scores: str | None = None  # a DFlash2 drafter's tree: selector (None) or unary
+    selector: bool | None = None  # a DFlash2 drafter decodes with its selector (None: true)
 
     def check(self) -> None:
         if missing := [m for m in ("target", "dflash") if m not in self.methods]:

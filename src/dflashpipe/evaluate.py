@@ -204,7 +204,7 @@ def decode_and_check(
     def decoders(methods: list[str], compile: bool | None = None) -> Decoders:
         return Decoders(
             model, drafter, methods, ev.engine, max_len, ev.tree_nodes, ev.tree_top_k, configured_lookup(ev),
-            compile, ev.tree_scores,
+            compile, ev.selector is not False,
         )  # fmt: skip
 
     timed, swept = decoders(ev.methods), {}

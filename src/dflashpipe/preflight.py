@@ -121,8 +121,8 @@ def check_loss_inputs(cfg: Config) -> None:
 
 
 def check_architecture(cfg: Config) -> None:
-    """train.selector trains a DFlash2 drafter's selector and evaluate.tree_scores chooses how its
-    tree is scored: refused on a dflash drafter (the
+    """train.selector trains a DFlash2 drafter's selector and evaluate.selector turns it off in
+    decoding: refused on a dflash drafter (the
     drafter section's own keys are refused in config.DrafterShape). FSDP2 is refused with
     dflash2: the selector's loss reads its parameters outside the drafter's forward, where
     FSDP2 would hand it shards."""
@@ -133,11 +133,11 @@ def check_architecture(cfg: Config) -> None:
             "DFlash2 selector's loss, and a dflash drafter has no selector; set "
             "drafter.architecture: dflash2, or leave train.selector out"
         )
-    if architecture != "dflash2" and cfg.evaluate.tree_scores is not None:
+    if architecture != "dflash2" and cfg.evaluate.selector is not None:
         raise ConfigError(
-            f"evaluate.tree_scores is set with drafter.architecture {architecture}: it chooses "
-            "how a DFlash2 drafter's selector scores its DDTree, and a dflash drafter has no "
-            "selector; set drafter.architecture: dflash2, or leave evaluate.tree_scores out"
+            f"evaluate.selector is set with drafter.architecture {architecture}: it turns a "
+            "DFlash2 drafter's selector on or off in decoding, and a dflash drafter has no "
+            "selector; set drafter.architecture: dflash2, or leave evaluate.selector out"
         )
     if architecture == "dflash2" and cfg.train.parallel == "fsdp":
         raise ConfigError(

@@ -43,16 +43,19 @@ class Decoders:
     """One process's decoders of the `methods` (the schema's evaluate.methods; ddtree expands to one method per
     budget of `tree_nodes`) over `model` + `drafter`. `max_len` bounds prompt + new tokens +
     the largest step's slack (the static engine's buffers); `compile`: the engine's (default: on
-    with graphs); `tree_scores` unary: a DFlash2 drafter's DDTree built from its unary log-probs
-    alone (evaluate.tree_scores)."""
+    with graphs); `selector` False: a DFlash2 drafter decodes from its unary logits alone, its
+    chain their argmax and its DDTree their log-probs (evaluate.selector; the drafter's
+    candidate_selector is taken off it)."""
 
     def __init__(
         self, model: nn.Module, drafter: Drafter, methods: Sequence[str], engine: str,
         max_len: int, tree_nodes: Sequence[int] = (), tree_top_k: int = 8,
         lookup: LookupConfig | None = None, compile: bool | None = None,
-        tree_scores: str | None = None,
+        selector: bool = True,
     ):  # fmt: skip
         self.kind, self.reason = "eager", "evaluate.engine: eager"
+        if not selector and getattr(drafter, "candidate_selector", None) is not None:
+            drafter.candidate_selector = None  # before the engine captures the drafter's steps
         if engine == "auto":
             try:
                 check_target(model)
@@ -75,8 +78,6 @@ class Decoders:
                 log.warning("ddtree needs the static engine (%s); not run", self.reason)
             else:
                 self.methods += [tree_method(n) for n in tree_nodes]
-                if tree_scores == "unary":  # a DFlash2 drafter's tree without its selector
-                    self.engine.family("ddtree").selector = None
         if "prompt_lookup" in methods:
             self.methods.append("prompt_lookup")
         self.budgets = {tree_method(n): n for n in tree_nodes}
