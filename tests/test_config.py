@@ -327,3 +327,45 @@ def test_the_package_reads_the_workflows_schema():
     package = REPO / "src" / "dflashpipe" / "config.schema.yaml"
     workflow = REPO / "workflow" / "schemas" / "config.schema.yaml"
     assert package.is_symlink() and package.resolve() == workflow.resolve()
+
+
+def test_sampled_answers_default_to_greedy_labels_from_a_stored_top1(tmp_path):
+    """Issue 62: where regenerate samples the answers and train.loss.labels is unset, labels are
+    greedy and extract.topk 1 (the target's argmax); a set key wins, the KL's distribution stays
+    the user's, and greedy answers (temperature 0) keep every default and digest as before."""
+    from dflashpipe import stages
+
+    def cfg(regenerate=None, extract=None, train=None):
+        raw = base_config(tmp_path)
+        for name, section in (("regenerate", regenerate), ("extract", extract), ("train", train)):
+            if section is not None:
+                raw[name] = section
+        return Config.from_dict(raw)
+
+    sampled = {"temperature": 0.7, "samples_per_prompt": 2}
+    c = cfg(sampled)
+    assert (c.extract.topk, c.train.loss.labels) == (1, "greedy")
+    c = cfg(sampled, train={"loss": {"labels": "sampled"}})  # the user's labels: no top-k stored
+    assert (c.extract.topk, c.train.loss.labels) == (0, "sampled")
+    c = cfg(sampled, extract={"topk": 0})  # no distribution: sampled labels, not a refusal
+    assert (c.extract.topk, c.train.loss.labels) == (0, "sampled")
+    c = cfg(sampled, extract={"topk": 4})
+    assert (c.extract.topk, c.train.loss.labels) == (4, "greedy")
+    # the KL reads the distribution: its source is the user's (a top-1 would be one-hot)
+    c = cfg(sampled, extract={"final_hidden": True}, train={"loss": {"objective": "forward_kl"}})
+    assert (c.extract.topk, c.train.loss.labels) == (0, "greedy")
+    c = cfg(sampled, train={"distill_weight": 0.5})
+    assert (c.extract.topk, c.train.loss.labels) == (0, "sampled")
+    c = cfg({"temperature": 0.7, "enabled": False})  # the datasets' own answers
+    assert (c.extract.topk, c.train.loss.labels) == (0, "sampled")
+    # greedy answers: nothing changes, not even train's digest (train.loss stays unset)
+    greedy, plain = cfg({"temperature": 0.0}), cfg()
+    assert (greedy.extract.topk, greedy.train.loss.labels) == (0, "sampled")
+    assert "loss" not in greedy.raw["train"]
+    for stage in ("extract", "train"):
+        assert stages.digest(greedy, stage) == stages.digest(plain, stage)
+    # the derived values enter the digests: sampled answers' extract and train differ from
+    # the same config with sampled labels set
+    derived, kept = cfg(sampled), cfg(sampled, train={"loss": {"labels": "sampled"}})
+    assert stages.digest(derived, "extract") != stages.digest(kept, "extract")
+    assert stages.digest(derived, "train") != stages.digest(kept, "train")
