@@ -401,6 +401,30 @@ def test_dflash2_at_step_0_is_the_dflash_drafter():
     assert torch.equal(scores, logits.topk(4, dim=-1).values)
 
 
+def test_selector_walk_is_the_slot_by_slot_greedy_path():
+    """walk projects every slot's state once (fewer kernels in the decoding step); its path and
+    scores are still the greedy walk slot by slot: each slot's unary top K plus the edges from
+    the token chosen before (edge_scores), the anchor before slot 1."""
+    from dflashpipe.dflash2 import CandidateSelector
+
+    torch.manual_seed(0)
+    sel = CandidateSelector(hidden_size=24, vocab_size=50, rank=8, top_k=5)
+    with torch.no_grad():
+        for p in sel.parameters():
+            p.normal_(0, 1.0)  # edges as large as the logits' gaps: the path leaves the argmax
+        hidden, logits = torch.randn(3, 6, 24), torch.randn(3, 6, 50)
+        anchor = torch.randint(0, 50, (3,))
+        path, candidates, scores = sel.walk(hidden, logits, anchor)
+        previous = anchor
+        for p in range(6):
+            unary, ids = logits[:, p].topk(5, dim=-1)
+            s = unary + sel.edge_scores(hidden[:, p], previous, ids)
+            torch.testing.assert_close(scores[:, p], s)
+            previous = ids.gather(-1, s.argmax(-1, keepdim=True))[:, 0]
+            assert torch.equal(path[:, p], previous)
+    assert not torch.equal(path, logits.argmax(-1))
+
+
 def test_dflash2_convolutions_never_read_across_a_block():
     """Packed blocks side by side in one forward, each block alone: the same states. A tap that
     read the slot before across a boundary would feed block b's last slot into block b+1."""

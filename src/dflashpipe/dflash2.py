@@ -94,9 +94,15 @@ class CandidateSelector(nn.Module):
         """hidden (..., H) final states of drafted slots, previous (...) the token before each,
         candidates (..., K) -> (..., K) the pairwise term of each candidate's score (teacher
         forcing passes the true previous tokens)."""
-        query = self.predecessor_codebook[previous] * self.hidden_projection(hidden)  # (..., R)
-        succ = self.successor_codebook[candidates].to(query.dtype)  # (..., K, R)
-        return (succ @ query[..., :, None])[..., 0]  # (..., K)
+        return self._edges(
+            self.hidden_projection(hidden), previous, self.successor_codebook[candidates]
+        )
+
+    def _edges(self, projected: Tensor, previous: Tensor, successors: Tensor) -> Tensor:
+        """edge_scores from the slots' projected states (..., R) and the candidates' successor
+        codes (..., K, R)."""
+        query = self.predecessor_codebook[previous] * projected  # (..., R)
+        return (successors.to(query.dtype) @ query[..., :, None])[..., 0]  # (..., K)
 
     def walk(self, hidden: Tensor, logits: Tensor, anchor: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """The greedy path from the anchor: hidden (N, S, H) and logits (N, S, V) of the S drafted
@@ -109,9 +115,13 @@ class CandidateSelector(nn.Module):
     ) -> tuple[Tensor, Tensor, Tensor]:
         """`walk` given each slot's unary top K, logits and ids (N, S, K) (training's loss finds
         them chunk by chunk, never holding (N, S, V) logits)."""
+        # what does not depend on the path, for every slot at once (one projection, one gather:
+        # fewer kernels in the decoding step than a projection and a gather per slot)
+        projected = self.hidden_projection(hidden)  # (N, S, R)
+        successors = self.successor_codebook[candidates]  # (N, S, K, R)
         previous, path, scores = anchor, [], []
         for p in range(hidden.shape[-2]):
-            s = unary[:, p] + self.edge_scores(hidden[:, p], previous, candidates[:, p])  # (N, K)
+            s = unary[:, p] + self._edges(projected[:, p], previous, successors[:, p])  # (N, K)
             previous = candidates[:, p].gather(-1, s.argmax(-1, keepdim=True))[:, 0]  # (N,)
             path.append(previous)
             scores.append(s)
