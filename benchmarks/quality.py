@@ -362,6 +362,11 @@ def row(work: Path) -> dict | None:
         "ddtree_speedup": tree.get("speedup"),
         "expected_tau": last.get("expected_acceptance"),
         "held_out_expected_tau": last.get("val_expected_acceptance"),
+        # measured along each block's chain (a DFlash2 drafter's: its selector's walk); runs
+        # trained before the figure existed show "-"
+        "held_out_chain_tau": last.get(
+            "val_selector_chain_acceptance", last.get("val_chain_acceptance")
+        ),
         "steps": last.get("step"),
         "codec": manifest.get("codec"),
         # tokens of the feature sets trained on (own + train.extra_features): the data's size
@@ -375,7 +380,7 @@ def table(rows: list[dict]) -> str:
     sources = sorted({s for r in rows for s in r["tau"]})
     head = ["variant", *(f"tau {s}" for s in sources), *(f"lookup {s}" for s in sources),
             *(f"ahead of lookup {s}" for s in sources), "tau all", "lookup all", "lossless", "bf16 agree", "speedup", "lookup speedup",
-            "ddtree nodes", "ddtree tau", "ddtree speedup", "expected tau", "held-out expected tau", "steps", "codec", "bytes/token",
+            "ddtree nodes", "ddtree tau", "ddtree speedup", "expected tau", "held-out expected tau", "held-out chain tau", "steps", "codec", "bytes/token",
             "tokens trained on"]  # fmt: skip
 
     def f(x, spec=".3f"):
@@ -393,7 +398,8 @@ def table(rows: list[dict]) -> str:
                  f(r["lookup_all"]), f(r["lossless"]), f(r["bf16_agreement"], ".2f"),
                  f(r["speedup"], ".2f"), f(r["lookup_speedup"], ".2f"), f(r.get("ddtree_nodes")),
                  f(r.get("ddtree_tau")), f(r.get("ddtree_speedup"), ".2f"), f(r["expected_tau"]),
-                 f(r.get("held_out_expected_tau")), f(r["steps"]), f(r["codec"]),
+                 f(r.get("held_out_expected_tau")), f(r.get("held_out_chain_tau")), f(r["steps"]),
+                 f(r["codec"]),
                  f(r["bytes_per_token"], ",.0f"), f(r.get("train_tokens"), ",")]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

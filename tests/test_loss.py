@@ -118,6 +118,26 @@ def test_acceptance_length_from_slot_accuracies():
     torch.testing.assert_close(m["acceptance_length"], torch.tensor(2.75))
 
 
+def test_chain_acceptance_follows_each_blocks_chain_to_its_first_miss():
+    """Misses that cluster in hard blocks: per-slot rates 1/2, 1/2, 3/4, so the product of rates
+    gives 1 + 1/2 + 1/4 + 3/16; the chains (two blocks all right, two missing slot 1) give 2.5.
+    A right slot after a miss (block 3, slot 3) counts for the rate, not for the chain."""
+    from dflashpipe.metrics import chain_acceptance
+
+    correct = torch.tensor([[1, 1, 1], [1, 1, 1], [0, 0, 0], [0, 0, 1]], dtype=torch.bool)
+    valid = torch.ones(4, 3, dtype=torch.bool)
+    m = slot_metrics(correct, valid)
+    torch.testing.assert_close(m["acceptance_length"], torch.tensor(1.9375))
+    assert m["slot_chain"].tolist() == [2, 2, 2]
+    assert chain_acceptance(m["slot_chain"].tolist(), m["slot_labels"].tolist()) == 2.5
+    # an unlabelled slot (the answer ended) counts in neither the chain nor its denominator
+    valid[1, 2] = False
+    m = slot_metrics(correct, valid)
+    assert m["slot_chain"].tolist() == [2, 2, 1] and m["slot_labels"].tolist() == [4, 4, 3]
+    chain = chain_acceptance(m["slot_chain"].tolist(), m["slot_labels"].tolist())
+    assert chain == pytest.approx(1 + 2 / 4 + 2 / 4 + 1 / 3)
+
+
 def test_soft_target_of_a_slot_is_the_targets_prediction_one_position_earlier():
     # row t of the stored top-k is the target's distribution over x_{t+1}; slot j of the block
     # anchored at a is labelled x_{a+j}, so it reads row a+j-1 (clamped at the stream's ends)

@@ -190,7 +190,14 @@ def test_a_run_trained_but_not_evaluated_has_a_row_of_training_figures(tmp_path)
     assert r["variant"] == "block8" and r["tau_all"] is None and r["lossless"] is None
     assert (r["expected_tau"], r["held_out_expected_tau"], r["steps"]) == (2.4, 1.94, 9)
     line = quality.table([r]).splitlines()[-1]
-    assert line.startswith("| block8 | - |") and "| 1.940 | 9 |" in line
+    assert line.startswith("| block8 | - |") and "| 1.940 | - | 9 |" in line  # no chain yet
+    # a DFlash2 run's chain figure is its selector's walk, else the unary chain
+    rows[-1] |= {"val_chain_acceptance": 2.1, "val_selector_chain_acceptance": 2.3}
+    (work / "results" / "train" / "metrics.jsonl").write_text("\n".join(map(json.dumps, rows)))
+    assert quality.row(work)["held_out_chain_tau"] == 2.3
+    del rows[-1]["val_selector_chain_acceptance"]
+    (work / "results" / "train" / "metrics.jsonl").write_text("\n".join(map(json.dumps, rows)))
+    assert "| 1.940 | 2.100 | 9 |" in quality.table([quality.row(work)])
 
 
 def test_a_tau_only_evaluate_has_a_row_without_prompt_lookup(tmp_path):

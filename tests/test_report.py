@@ -75,12 +75,14 @@ def test_missing_or_empty_inputs(tmp_path):
 def test_held_out_measurements_are_plotted_and_summarized(tmp_path):
     paths = _inputs(tmp_path)
     rows = [json.loads(line) for line in (tmp_path / "train.jsonl").read_text().splitlines()]
-    rows[2].update(val_loss=4.5, val_slot_accuracy=[0.2, 0.1, 0.0], val_expected_acceptance=1.22)
+    rows[2].update(val_loss=4.5, val_slot_accuracy=[0.2, 0.1, 0.0], val_expected_acceptance=1.22,
+                   val_chain_acceptance=1.25)  # fmt: skip
     rows[2].update(train_samples=1234, train_tokens=456789)  # what train counts now
     (tmp_path / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     run(ReportPaths(*paths, str(tmp_path / "report"), str(tmp_path / "report.md")))
     md = (tmp_path / "report.md").read_text()
-    assert "on held-out samples (step 3): loss 4.5000, expected acceptance length 1.220" in md
+    assert ("on held-out samples (step 3): loss 4.5000, expected acceptance length 1.220 "
+            "(1.250 along its drafted chains)") in md  # fmt: skip
     assert "3 optimizer steps on 1,234 samples (456,789 tokens an epoch); final loss" in md
     assert mpimg.imread(tmp_path / "report" / "acceptance.png").shape[0] > 100
 

@@ -94,6 +94,9 @@ def test_unary_top_k_found_in_chunks_and_the_path_is_the_selectors_walk():
         path, cands, scores = selector.walk(hidden[:, 1:], logits, previous[:, 1])
     gold, ok = labels[:, 1:], valid[:, 1:]
     assert torch.equal(metrics["path_correct"], ((path == gold) & ok).sum(0))
+    chains = [sum(all(path[a, j] == gold[a, j] and ok[a, j] for j in range(k + 1))
+                  for a in range(path.shape[0])) for k in range(path.shape[1])]  # fmt: skip
+    assert metrics["path_chain"].tolist() == chains
     assert torch.equal(metrics["top_k_hits"], ((cands == gold[..., None]).any(-1) & ok).sum(0))
     # teacher-forced: the previous token is the true one, not the walk's choice
     forced = logits.topk(4, -1).values + selector.edge_scores(hidden[:, 1:], previous[:, 1:], cands)

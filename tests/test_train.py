@@ -307,6 +307,9 @@ def test_held_out_samples_are_measured_and_never_trained_on(tmp_path, tiny_featu
     for r in measured:
         assert 0 < r["val_loss"] < 100 and len(r["val_slot_accuracy"]) == 7
         assert r["val_expected_acceptance"] >= 1
+        # along each block's chain: a slot counts only after every slot before it was right
+        assert 1 <= r["val_chain_acceptance"] <= 1 + sum(r["val_slot_accuracy"]) + 1e-9
+    assert all(1 <= r["chain_acceptance"] <= 1 + sum(r["slot_accuracy"]) + 1e-3 for r in rows)
     # the held-out pass uses fixed batches: two measurements differ only by training
     assert measured[0]["val_loss"] != measured[-1]["val_loss"] or len(measured) == 1
 
@@ -706,7 +709,8 @@ def test_drafter_sliding_window_is_trained_and_exported(tmp_path, tiny_features)
 # Issue 63: a DFlash2 drafter trains on the unary loss plus the selector's, reports the
 # selector's figures beside the unary ones, and exports what the official package loads.
 SELECTOR_KEYS = ("unary_accuracy", "top_k_recall", "selector_accuracy", "selector_slot_accuracy",
-                 "selector_expected_acceptance", "unary_loss", "selector_loss")  # fmt: skip
+                 "selector_expected_acceptance", "selector_chain_acceptance", "unary_loss",
+                 "selector_loss")  # fmt: skip
 
 
 def test_dflash2_trains_reports_its_selector_and_exports_for_the_official_loader(

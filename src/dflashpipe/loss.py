@@ -325,14 +325,24 @@ def slot_metrics(correct: Tensor, valid: Tensor) -> dict[str, Tensor]:
 
     correct, valid (A, B-1) bool. Expected acceptance = 1 + sum_k prod_{j<=k} acc_j: a draft
     runs until its first miss, and the verify step always yields one token of its own.
+    "slot_chain" (B-1,): the blocks whose slots 1..k are all right (metrics.chain_acceptance:
+    the acceptance length without assuming slots miss independently).
     """
     count = valid.sum(0)  # (B-1,)
-    accuracy = (correct & valid).sum(0) / count.clamp_min(1)  # (B-1,)
+    right = correct & valid
+    accuracy = right.sum(0) / count.clamp_min(1)  # (B-1,)
     return {
         "slot_accuracy": accuracy,
         "acceptance_length": 1 + accuracy.cumprod(0).sum(),
         "slot_labels": count,
+        "slot_chain": chain_counts(right),
     }
+
+
+def chain_counts(right: Tensor) -> Tensor:
+    """right (A, S) bool, slot k of block a right -> (S,) the blocks whose slots 1..k are all
+    right: the chain a greedy verifier accepts runs to each block's first miss."""
+    return right.int().cumprod(1).sum(0)
 
 
 class _LinearCrossEntropy(torch.autograd.Function):

@@ -62,15 +62,25 @@ def expected_acceptance(slot_accuracy: list[float]) -> float:
     return float(1 + sum(np.cumprod(slot_accuracy)))
 
 
+def chain_acceptance(chain: list[float], labels: list[float]) -> float:
+    """Acceptance length measured along each block's chain, not assumed from per-slot accuracy:
+    1 + sum over k of (blocks whose slots 1..k are all right, loss.chain_counts) / (blocks with
+    slot k labelled). Right where misses cluster (a hard block misses several slots) or a slot
+    depends on the one before (the selector's walk: after its own miss, its next choice follows
+    a wrong token, which expected_acceptance's product of per-slot rates counts again)."""
+    return float(1 + sum(c / max(n, 1) for c, n in zip(chain, labels, strict=True)))
+
+
 def selector_width(block_size: int) -> int:
-    """Length of a DFlash2 drafter's selector sums: top-K hits, teacher-forced selector hits and
-    hits along the selector's path, (B-1) each, the unary loss and the selector loss."""
-    return 3 * (block_size - 1) + 2
+    """Length of a DFlash2 drafter's selector sums: top-K hits, teacher-forced selector hits,
+    hits along the selector's path and its chain, (B-1) each, the unary loss and the selector
+    loss."""
+    return 4 * (block_size - 1) + 2
 
 
 def selector_sums(m: dict) -> torch.Tensor:
     """One micro-batch's selector sums (selector_loss.selector_loss's metrics) as one device vector."""
-    return torch.cat([m["top_k_hits"], m["selector_correct"], m["path_correct"],
+    return torch.cat([m["top_k_hits"], m["selector_correct"], m["path_correct"], m["path_chain"],
                       m["unary_loss"][None], m["selector_loss"][None]]).float()  # fmt: skip
 
 
@@ -80,8 +90,9 @@ def selector_row(sums: torch.Tensor, correct: torch.Tensor, labels: torch.Tensor
     (correct, labels (B-1,)): unary top-1 accuracy, top-K recall (gold among the unary top K),
     selector accuracy (teacher-forced: the true previous token), the selector path's per-slot
     accuracy (its greedy walk on its own choices) and the expected tau along it, by the formula
-    of the unary figure (expected_acceptance), and per micro-batch the unary loss (train.loss's
-    alone: `loss` adds alpha x the selector's) and the selector's K-way cross-entropy."""
+    of the unary figure (expected_acceptance) and measured along its chains
+    (chain_acceptance), and per micro-batch the unary loss (train.loss's alone: `loss` adds
+    alpha x the selector's) and the selector's K-way cross-entropy."""
     S = len(labels)
     total = labels.sum().clamp_min(1)
     path = (sums[2 * S : 3 * S] / labels.clamp_min(1)).tolist()
@@ -90,6 +101,8 @@ def selector_row(sums: torch.Tensor, correct: torch.Tensor, labels: torch.Tensor
     row = {k: round(v.item(), 4) for k, v in row.items()}
     row |= {"selector_slot_accuracy": [round(a, 4) for a in path],
             "selector_expected_acceptance": expected_acceptance(path),
+            "selector_chain_acceptance": chain_acceptance(sums[3 * S : 4 * S].tolist(),
+                                                          labels.tolist()),
             "unary_loss": sums[-2].item() / batches,
             "selector_loss": sums[-1].item() / batches}  # fmt: skip
     return {prefix + k: v for k, v in row.items()}
@@ -142,6 +155,7 @@ class MetricsLog:
         self.loss = torch.zeros((), device=dev)
         self.correct = torch.zeros(B - 1, device=dev)
         self.labels = torch.zeros(B - 1, device=dev)
+        self.chain = torch.zeros(B - 1, device=dev)
         self.flops = torch.zeros((), device=dev, dtype=torch.float64)
         self.selector: torch.Tensor | None = None  # a DFlash2 drafter's selector_sums
         self.n = 0
@@ -151,6 +165,7 @@ class MetricsLog:
         self.loss += loss
         self.correct += m["slot_accuracy"] * m["slot_labels"]
         self.labels += m["slot_labels"]
+        self.chain += m["slot_chain"]
         self.flops += m["flops"].double()
         if "top_k_hits" in m:
             sums = selector_sums(m)
@@ -180,7 +195,8 @@ class MetricsLog:
         if step % self.every and step < f.total_steps and validation is None:
             return
         self.check_finite(step)
-        vec = torch.cat([self.loss[None], self.correct, self.labels, self.flops.float()[None]])
+        vec = torch.cat([self.loss[None], self.correct, self.labels, self.chain,
+                         self.flops.float()[None]])  # fmt: skip
         if f.world > 1:
             dist.all_reduce(vec)
             if self.selector is not None:
@@ -190,6 +206,7 @@ class MetricsLog:
         acc = (vec[1:B] / vec[B : 2 * B - 1].clamp_min(1)).tolist()
         row = {"step": step, "epoch": epoch, "loss": vec[0].item() / (self.n * f.world),
                "slot_accuracy": [round(a, 4) for a in acc], "expected_acceptance": expected_acceptance(acc),
+               "chain_acceptance": chain_acceptance(vec[2 * B - 1 : 3 * B - 2].tolist(), vec[B : 2 * B - 1].tolist()),
                "lr": lr, "tokens_per_s": self.n * f.micro_batch_tokens * f.world / elapsed,
                "train_samples": len(f.samples), "train_tokens": f.train_tokens,
                **(validation or {})}  # fmt: skip
@@ -206,7 +223,8 @@ class MetricsLog:
             if self.tb is not None:
                 for k in ("loss", "expected_acceptance", "tokens_per_s", "lr", "val_loss",
                           "val_expected_acceptance", "selector_expected_acceptance",
-                          "val_selector_expected_acceptance"):  # fmt: skip
+                          "val_selector_expected_acceptance", "val_chain_acceptance",
+                          "val_selector_chain_acceptance"):  # fmt: skip
                     if k in row:
                         self.tb.add_scalar(k, row[k], step)
         self._reset()

@@ -101,8 +101,10 @@ def _held_out(rows: list[dict]) -> str:
     if not held:
         return ""
     r = held[-1]
+    chain = r.get("val_selector_chain_acceptance", r.get("val_chain_acceptance"))
+    along = f" ({chain:.3f} along its drafted chains)" if chain is not None else ""
     return (f"; on held-out samples (step {r['step']}): loss {r['val_loss']:.4f}, expected "
-            f"acceptance length {r['val_expected_acceptance']:.3f}")  # fmt: skip
+            f"acceptance length {r['val_expected_acceptance']:.3f}{along}")  # fmt: skip
 
 
 def _data(row: dict) -> str:

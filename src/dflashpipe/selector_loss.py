@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from dflashpipe.loss import UnaryTopK, slot_weights
+from dflashpipe.loss import UnaryTopK, chain_counts, slot_weights
 
 OUTSIDE_TOP_K = ("skip", "replace")
 
@@ -40,8 +40,9 @@ def selector_loss(
     "replace"s the weakest candidate (its unary logit too). stop_gradient: the term trains the
     selector only (hidden and the unary logits detached). Metrics (B-1,) per slot, over valid
     labels: "top_k_hits" (gold in the unary top K), "selector_correct" (teacher-forced argmax is
-    gold), "path_correct" (the greedy walk from the anchor on its own choices is gold; a
-    block's chain is cut at its first miss when tau is computed), and "selector_loss" ()."""
+    gold), "path_correct" (the greedy walk from the anchor on its own choices is gold),
+    "path_chain" (its slots 1..k all gold: the chain verification accepts), and
+    "selector_loss" ()."""
     if outside_top_k not in OUTSIDE_TOP_K:
         raise ValueError(f"outside_top_k {outside_top_k!r} is not one of {OUTSIDE_TOP_K}")
     A, B, H = hidden.shape
@@ -71,11 +72,13 @@ def selector_loss(
     with torch.no_grad():
         chosen = scores.argmax(-1) == where  # (N,)
         path = _walk(selector, rows, top, previous[:, 1], A, B)  # (A, B-1)
+        on_path = ((path.flatten() == gold) & ok).view(A, B - 1)
         metrics = {
             "selector_loss": loss.detach(),
             "top_k_hits": (inside & ok).view(A, B - 1).sum(0),
             "selector_correct": (chosen & inside & ok).view(A, B - 1).sum(0),
-            "path_correct": ((path.flatten() == gold) & ok).view(A, B - 1).sum(0),
+            "path_correct": on_path.sum(0),
+            "path_chain": chain_counts(on_path),
         }
     return loss, metrics
 

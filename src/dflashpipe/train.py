@@ -58,6 +58,7 @@ from dflashpipe.loss import default_gamma
 from dflashpipe.metrics import (
     MetricsLog,
     RunFacts,
+    chain_acceptance,
     expected_acceptance,
     selector_row,
     selector_sums,
@@ -520,7 +521,8 @@ class Trainer:
         data = PackedBatches(self.shards, self.val_samples, self._val_plan, self.tokens,
                              self.tc.num_anchors, self.tc.seed, epoch=0, topk=self.topk,
                              quantized=self.quantized)  # fmt: skip
-        vec = torch.zeros(2 * B - 1, device=self.device)  # loss sum, correct (B-1), labels (B-1)
+        # loss sum, correct (B-1), labels (B-1), chains (B-1)
+        vec = torch.zeros(3 * B - 2, device=self.device)
         selector = self.selector_term(self.step - 1)  # the alpha of the step just taken
         sel = torch.zeros(selector_width(B) if selector else 0, device=self.device)
         self.model.train(not self.tc.dropout)  # measured as evaluated: without dropout
@@ -530,7 +532,7 @@ class Trainer:
                                    self.rank_term, loss=self.tc.loss, softcap=self.softcap,
                                    selector=selector)  # fmt: skip
             vec += torch.cat([loss.detach()[None], m["slot_accuracy"] * m["slot_labels"],
-                              m["slot_labels"]])  # fmt: skip
+                              m["slot_labels"], m["slot_chain"]])  # fmt: skip
             if selector:
                 sel += selector_sums(m)
         self.model.train()
@@ -538,13 +540,15 @@ class Trainer:
             dist.all_reduce(vec)
             if selector:
                 dist.all_reduce(sel)
-        acc = (vec[1:B] / vec[B:].clamp_min(1)).tolist()
+        correct, labels, chain = vec[1:B], vec[B : 2 * B - 1], vec[2 * B - 1 :]
+        acc = (correct / labels.clamp_min(1)).tolist()
         batches = len(self._val_plan) * self.world
         row = {"val_loss": vec[0].item() / batches,
                "val_slot_accuracy": [round(a, 4) for a in acc],
-               "val_expected_acceptance": expected_acceptance(acc)}  # fmt: skip
+               "val_expected_acceptance": expected_acceptance(acc),
+               "val_chain_acceptance": chain_acceptance(chain.tolist(), labels.tolist())}  # fmt: skip
         if selector:
-            row |= selector_row(sel, vec[1:B], vec[B:], batches, prefix="val_")
+            row |= selector_row(sel, correct, labels, batches, prefix="val_")
         return row
 
     def save(self) -> None:
