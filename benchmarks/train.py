@@ -11,7 +11,8 @@ Loader: `PackedBatches` decoding a bf16-zstd shard of the same shapes, per worke
 
 --cells V...: instead, the step of each quality cell (benchmarks/quality/V.yaml on the SmolLM2
 recipe, as quality.py merges them; `main`: the recipe) at the recipe's shapes: SmolLM2-135M's
-sizes, the cell's drafter (layers, block, architecture) and micro-batch (tokens, anchors), its
+sizes, the cell's drafter (layers, block, architecture), micro-batch (tokens, anchors) and
+micro-batches an optimizer step (train.tokens_per_step; the time is per micro-batch), its
 objective (train.loss, distill_weight, the ranking term, a DFlash2 drafter's selector term at its
 full alpha), on random features packed as the recipe packs answers (--answer-tokens each) with
 the target's final hidden state and top-1 stored (what the qx4 cells' features hold). The cells
@@ -221,23 +222,24 @@ def time_cells(variants: list[str], steps: int, rounds: int, answer_tokens: int,
             ds = PackedBatches([shard], samples, plan, tokens, anchors, seed=0, epoch=0, topk=1)
             batch = to_device(ds[0], device, final=model.config.hidden_size)
             step = make_step(model, batch, cfg)
+            # micro-batches an optimizer step (the smoke run's tiny ones: one)
+            accum = 1 if smoke else max(1, (tc.tokens_per_step or 0) // tokens)
             for i in range(3):  # the first steps compile
                 sync()
                 t = time.perf_counter()
-                step()
+                step(accum)
                 sync()
                 say(f"{v}: warm-up step {i + 1}: {time.perf_counter() - t:.1f} s")
-            cells[v] = dict(
-                step=step, times=[], cfg=cfg, params=sum(p.numel() for p in model.parameters())
-            )
+            cells[v] = dict(step=step, accum=accum, times=[], cfg=cfg,
+                            params=sum(p.numel() for p in model.parameters()))  # fmt: skip
         for r in range(rounds):  # the cells take turns: drift falls on all of them alike
             for c in cells.values():
                 for _ in range(steps):
                     sync()
                     t = time.perf_counter()
-                    c["loss"] = c["step"]()
+                    c["loss"] = c["step"](c["accum"])
                     sync()
-                    c["times"].append(time.perf_counter() - t)
+                    c["times"].append((time.perf_counter() - t) / c["accum"])
             say(f"round {r + 1}: " + ", ".join(f"{v} {statistics.median(c['times']) * 1e3:.2f} ms"
                                               for v, c in cells.items()))  # fmt: skip
     first = statistics.median(next(iter(cells.values()))["times"])
@@ -248,7 +250,8 @@ def time_cells(variants: list[str], steps: int, rounds: int, answer_tokens: int,
                       architecture=c["cfg"].drafter.architecture, objective=tc.loss.objective,
                       weighting=tc.loss.weighting, labels=tc.loss.labels,
                       distill_weight=tc.distill_weight, params=c["params"],
-                      loss=float(c["loss"]), steps=len(c["times"]))  # fmt: skip
+                      loss=float(c["loss"]), steps=len(c["times"]),
+                      micro_batches_per_step=c["accum"])  # fmt: skip
     return out
 
 
