@@ -40,12 +40,11 @@ from shapes import SHAPES, Shape
 
 from dflashpipe.cards import card
 from dflashpipe.codecs import encode, pack_topk
-from dflashpipe.config import Config, SelectorConfig
+from dflashpipe.config import Config
 from dflashpipe.data import PackedBatches, Sample, make_loader, to_device
-from dflashpipe.loss import default_gamma
 from dflashpipe.metrics import step_flops
 from dflashpipe.model import Drafter, DrafterConfig
-from dflashpipe.objective import compute_head, forward_loss
+from dflashpipe.objective import compute_head, forward_loss, selector_settings, train_objective
 from dflashpipe.shards import ShardInfo, feature_row, write_shard
 
 # The headline step: a Qwen3-8B drafter, one 3,072-token sequence a micro-batch
@@ -132,11 +131,8 @@ def make_step(model: Drafter, batch: dict, cfg: Config | None = None):
     if cfg is None:
         objective = dict(gamma=7.0)
     else:
-        tc = cfg.train
-        objective = dict(gamma=tc.gamma or default_gamma(B), distill_weight=tc.distill_weight,
-                         rank=(tc.rank_weight, tc.rank_k), loss=tc.loss)  # fmt: skip
-        if model.config.dflash2:
-            sc = tc.selector or SelectorConfig()
+        objective = train_objective(cfg.train, B)
+        if sc := selector_settings(cfg.train, model.config.dflash2):
             objective["selector"] = (model.candidate_selector, sc, sc.alpha)
 
     def step(accum: int = 1) -> torch.Tensor:

@@ -71,6 +71,23 @@ def chain_acceptance(chain: list[float], labels: list[float]) -> float:
     return float(1 + sum(c / max(n, 1) for c, n in zip(chain, labels, strict=True)))
 
 
+def slot_sums(m: dict) -> torch.Tensor:
+    """One micro-batch's unary slot sums (loss.slot_metrics'): the right, labelled and chain
+    counts, (B-1,) each, as one device vector (slot_row reads a sum of them)."""
+    return torch.cat([m["slot_accuracy"] * m["slot_labels"], m["slot_labels"],
+                      m["slot_chain"]]).float()  # fmt: skip
+
+
+def slot_row(sums: torch.Tensor, prefix: str = "") -> dict:
+    """The metrics row keys of summed slot_sums: per-slot accuracy, the expected acceptance it
+    implies, and the acceptance measured along the chains."""
+    correct, labels, chain = sums.view(3, -1)
+    acc = (correct / labels.clamp_min(1)).tolist()
+    row = {"slot_accuracy": [round(a, 4) for a in acc], "expected_acceptance": expected_acceptance(acc),
+           "chain_acceptance": chain_acceptance(chain.tolist(), labels.tolist())}  # fmt: skip
+    return {prefix + k: v for k, v in row.items()}
+
+
 def selector_width(block_size: int) -> int:
     """Length of a DFlash2 drafter's selector sums: top-K hits, teacher-forced selector hits,
     hits along the selector's path and its chain, (B-1) each, the unary loss and the selector
@@ -84,15 +101,15 @@ def selector_sums(m: dict) -> torch.Tensor:
                       m["unary_loss"][None], m["selector_loss"][None]]).float()  # fmt: skip
 
 
-def selector_row(sums: torch.Tensor, correct: torch.Tensor, labels: torch.Tensor, batches: int,
-                 prefix: str = "") -> dict:  # fmt: skip
-    """A DFlash2 drafter's metrics row keys, from summed selector_sums and the unary slot sums
-    (correct, labels (B-1,)): unary top-1 accuracy, top-K recall (gold among the unary top K),
+def selector_row(sums: torch.Tensor, slots: torch.Tensor, batches: int, prefix: str = "") -> dict:
+    """A DFlash2 drafter's metrics row keys, from summed selector_sums and the unary slot_sums:
+    unary top-1 accuracy, top-K recall (gold among the unary top K),
     selector accuracy (teacher-forced: the true previous token), the selector path's per-slot
     accuracy (its greedy walk on its own choices) and the expected tau along it, by the formula
     of the unary figure (expected_acceptance) and measured along its chains
     (chain_acceptance), and per micro-batch the unary loss (train.loss's alone: `loss` adds
     alpha x the selector's) and the selector's K-way cross-entropy."""
+    correct, labels, _ = slots.view(3, -1)
     S = len(labels)
     total = labels.sum().clamp_min(1)
     path = (sums[2 * S : 3 * S] / labels.clamp_min(1)).tolist()
@@ -153,9 +170,7 @@ class MetricsLog:
     def _reset(self) -> None:
         dev, B = self.facts.device, self.facts.block_size
         self.loss = torch.zeros((), device=dev)
-        self.correct = torch.zeros(B - 1, device=dev)
-        self.labels = torch.zeros(B - 1, device=dev)
-        self.chain = torch.zeros(B - 1, device=dev)
+        self.slots = torch.zeros(3 * (B - 1), device=dev)  # slot_sums
         self.flops = torch.zeros((), device=dev, dtype=torch.float64)
         self.selector: torch.Tensor | None = None  # a DFlash2 drafter's selector_sums
         self.n = 0
@@ -163,9 +178,7 @@ class MetricsLog:
 
     def add(self, loss: torch.Tensor, m: dict) -> None:
         self.loss += loss
-        self.correct += m["slot_accuracy"] * m["slot_labels"]
-        self.labels += m["slot_labels"]
-        self.chain += m["slot_chain"]
+        self.slots += slot_sums(m)
         self.flops += m["flops"].double()
         if "top_k_hits" in m:
             sums = selector_sums(m)
@@ -195,23 +208,19 @@ class MetricsLog:
         if step % self.every and step < f.total_steps and validation is None:
             return
         self.check_finite(step)
-        vec = torch.cat([self.loss[None], self.correct, self.labels, self.chain,
-                         self.flops.float()[None]])  # fmt: skip
+        vec = torch.cat([self.loss[None], self.slots, self.flops.float()[None]])
         if f.world > 1:
             dist.all_reduce(vec)
             if self.selector is not None:
                 dist.all_reduce(self.selector)
         elapsed = time.perf_counter() - self.start - self._paused_s
-        B = f.block_size
-        acc = (vec[1:B] / vec[B : 2 * B - 1].clamp_min(1)).tolist()
+        slots = vec[1:-1]
         row = {"step": step, "epoch": epoch, "loss": vec[0].item() / (self.n * f.world),
-               "slot_accuracy": [round(a, 4) for a in acc], "expected_acceptance": expected_acceptance(acc),
-               "chain_acceptance": chain_acceptance(vec[2 * B - 1 : 3 * B - 2].tolist(), vec[B : 2 * B - 1].tolist()),
-               "lr": lr, "tokens_per_s": self.n * f.micro_batch_tokens * f.world / elapsed,
+               **slot_row(slots), "lr": lr, "tokens_per_s": self.n * f.micro_batch_tokens * f.world / elapsed,
                "train_samples": len(f.samples), "train_tokens": f.train_tokens,
                **(validation or {})}  # fmt: skip
         if self.selector is not None:  # dflash2: beside the unary figures, the selector's
-            row |= selector_row(self.selector, vec[1:B], vec[B : 2 * B - 1], self.n * f.world)
+            row |= selector_row(self.selector, slots, self.n * f.world)
         peak = _peak_flops(f.device)
         if peak:
             row["mfu"] = vec[-1].item() / elapsed / (peak * f.world)

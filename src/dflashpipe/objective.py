@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import torch
 
-from dflashpipe.config import LossConfig, SelectorConfig
+from dflashpipe.config import LossConfig, SelectorConfig, TrainConfig
 from dflashpipe.loss import (
     block_labels,
     block_soft_targets,
     block_target_hidden,
+    default_gamma,
     dflash_loss,
     greedy_labels,
     target_argmax,
@@ -28,6 +29,19 @@ def compute_head(drafter: Drafter, device: torch.device) -> torch.Tensor:
     logits still go to float32 before the softmax), float32 on CPU."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     return drafter.lm_head.weight.detach().to(dtype)
+
+
+def train_objective(tc: TrainConfig, block_size: int) -> dict:
+    """forward_loss's keyword arguments that the train section sets (the selector's term aside:
+    its alpha moves with the step): gamma (train.gamma, else loss.default_gamma of the block),
+    distill_weight, the ranking term and train.loss."""
+    return dict(gamma=tc.gamma or default_gamma(block_size), distill_weight=tc.distill_weight,
+                rank=(tc.rank_weight, tc.rank_k), loss=tc.loss)  # fmt: skip
+
+
+def selector_settings(tc: TrainConfig, dflash2: bool) -> SelectorConfig | None:
+    """train.selector (its defaults where unset) for a DFlash2 drafter; None for a DFlash one."""
+    return (tc.selector or SelectorConfig()) if dflash2 else None
 
 
 def forward_loss(

@@ -32,7 +32,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from dflashpipe import checkpoint, faults
 from dflashpipe.compile_cache import carried
-from dflashpipe.config import Config, SelectorConfig, load_config
+from dflashpipe.config import Config, load_config
 from dflashpipe.data import (
     PackedBatches,
     Sample,
@@ -54,19 +54,18 @@ from dflashpipe.features import (
     target_source,
 )
 from dflashpipe.launcher import TrainPaths, die_with_parent
-from dflashpipe.loss import default_gamma
 from dflashpipe.metrics import (
     MetricsLog,
     RunFacts,
-    chain_acceptance,
-    expected_acceptance,
     selector_row,
     selector_sums,
     selector_width,
+    slot_row,
+    slot_sums,
     step_flops,
 )
 from dflashpipe.model import FROZEN_PREFIXES, Drafter, DrafterConfig, init_from_target_layers
-from dflashpipe.objective import compute_head, forward_loss
+from dflashpipe.objective import compute_head, forward_loss, selector_settings, train_objective
 from dflashpipe.shards import check_manifest, verify_shard
 from dflashpipe.stages import ABSENT, digest_keys, fingerprint_keys
 from dflashpipe.stages import value as config_value
@@ -300,10 +299,9 @@ class Trainer:
             for layer in drafter.layers:  # per layer: every layer kind compiles once
                 layer.compile()
         self.drafter = drafter
-        self.gamma = self.tc.gamma or default_gamma(self.dcfg.block_size)
-        self.rank_term = (self.tc.rank_weight, self.tc.rank_k)  # loss.dflash_loss's ranking term
+        self.objective = train_objective(self.tc, self.dcfg.block_size)  # forward_loss's keys
         # dflash2: the selector's term (train.selector, its defaults where unset)
-        self.selector = (self.tc.selector or SelectorConfig()) if self.dcfg.dflash2 else None
+        self.selector = selector_settings(self.tc, self.dcfg.dflash2)
         # the target's logits as its distribution is computed from its final hidden states
         self.softcap = getattr(tc, "final_logit_softcapping", None)
 
@@ -436,9 +434,8 @@ class Trainer:
         else:
             ctx = self.model.no_sync() if (self.world > 1 and not sync) else nullcontext()
         with ctx:
-            loss, metrics = forward_loss(self.model, self.head, b, self.dcfg.block_size, self.gamma,
-                                         self.tc.distill_weight, self.rank_term,
-                                         loss=self.tc.loss, softcap=self.softcap,
+            loss, metrics = forward_loss(self.model, self.head, b, self.dcfg.block_size,
+                                         **self.objective, softcap=self.softcap,
                                          selector=self.selector_term(self.step))  # fmt: skip
             (loss / self.accum).backward()
         anchors_pos = torch.where(b["keep"], b["position_ids"][b["anchors"]], -1)
@@ -447,6 +444,11 @@ class Trainer:
         )
         metrics["sample_index"] = b["sample_index"]
         return loss.detach(), metrics
+
+    @property
+    def gamma(self) -> float:
+        """The decay cross-entropy's gamma the objective uses (train_objective's)."""
+        return self.objective["gamma"]
 
     def selector_term(self, step: int) -> tuple | None:
         """forward_loss's selector argument at optimizer step `step` (0-based); None on dflash."""
@@ -521,18 +523,15 @@ class Trainer:
         data = PackedBatches(self.shards, self.val_samples, self._val_plan, self.tokens,
                              self.tc.num_anchors, self.tc.seed, epoch=0, topk=self.topk,
                              quantized=self.quantized)  # fmt: skip
-        # loss sum, correct (B-1), labels (B-1), chains (B-1)
-        vec = torch.zeros(3 * B - 2, device=self.device)
+        vec = torch.zeros(1 + 3 * (B - 1), device=self.device)  # loss sum, slot_sums
         selector = self.selector_term(self.step - 1)  # the alpha of the step just taken
         sel = torch.zeros(selector_width(B) if selector else 0, device=self.device)
         self.model.train(not self.tc.dropout)  # measured as evaluated: without dropout
         for batch in make_loader(data, 0, workers=0, pin=False):
             b = to_device(batch, self.device, self.final_width)
-            loss, m = forward_loss(self.model, self.head, b, B, self.gamma, self.tc.distill_weight,
-                                   self.rank_term, loss=self.tc.loss, softcap=self.softcap,
-                                   selector=selector)  # fmt: skip
-            vec += torch.cat([loss.detach()[None], m["slot_accuracy"] * m["slot_labels"],
-                              m["slot_labels"], m["slot_chain"]])  # fmt: skip
+            loss, m = forward_loss(self.model, self.head, b, B, **self.objective,
+                                   softcap=self.softcap, selector=selector)  # fmt: skip
+            vec += torch.cat([loss.detach()[None], slot_sums(m)])
             if selector:
                 sel += selector_sums(m)
         self.model.train()
@@ -540,15 +539,10 @@ class Trainer:
             dist.all_reduce(vec)
             if selector:
                 dist.all_reduce(sel)
-        correct, labels, chain = vec[1:B], vec[B : 2 * B - 1], vec[2 * B - 1 :]
-        acc = (correct / labels.clamp_min(1)).tolist()
         batches = len(self._val_plan) * self.world
-        row = {"val_loss": vec[0].item() / batches,
-               "val_slot_accuracy": [round(a, 4) for a in acc],
-               "val_expected_acceptance": expected_acceptance(acc),
-               "val_chain_acceptance": chain_acceptance(chain.tolist(), labels.tolist())}  # fmt: skip
+        row = {"val_loss": vec[0].item() / batches} | slot_row(vec[1:], prefix="val_")
         if selector:
-            row |= selector_row(sel, correct, labels, batches, prefix="val_")
+            row |= selector_row(sel, vec[1:], batches, prefix="val_")
         return row
 
     def save(self) -> None:
