@@ -660,14 +660,14 @@ def sampled_answer_defaults(raw: dict) -> dict:
     set in the config wins: labels sampled stores no top-k, and a topk 0 without
     extract.final_hidden keeps sampled labels (greedy ones would be refused for want of the
     target's distribution); so does a section that is not a mapping (validate names it)."""
-    sections = [raw.get("extract", {}), raw.get("train", {})]
-    loss = sections[1].get("loss", {}) if isinstance(sections[1], dict) else None
-    if not answers_sampled(raw) or not all(isinstance(x, dict) for x in [*sections, loss]):
+    extract, train = raw.get("extract", {}), raw.get("train", {})
+    loss = train.get("loss", {}) if isinstance(train, dict) else None
+    if not answers_sampled(raw) or not all(isinstance(x, dict) for x in (extract, train, loss)):
         return raw
     if "labels" in loss:
         return raw
-    extract = raw.setdefault("extract", {})
-    soft = loss.get("objective") == "forward_kl" or sections[1].get("distill_weight", 0) != 0
+    extract = raw.setdefault("extract", extract)
+    soft = loss.get("objective") == "forward_kl" or train.get("distill_weight", 0) != 0
     if not soft:  # the KL's distribution is the user's to choose: a top-1 would be one-hot
         extract.setdefault("topk", SAMPLED_ANSWER_TOPK)
     topk = extract.get("topk", 0)
