@@ -402,8 +402,8 @@ def test_dflash2_at_step_0_is_the_dflash_drafter():
 
 
 def test_selector_walk_is_the_slot_by_slot_greedy_path():
-    """walk projects every slot's state once (fewer kernels in the decoding step); its path and
-    scores are still the greedy walk slot by slot: each slot's unary top K plus the edges from
+    """walk computes every edge it can take before it starts (fewer kernels in the decoding
+    step); its path and scores are still the greedy walk slot by slot: each slot's unary top K plus the edges from
     the token chosen before (edge_scores), the anchor before slot 1."""
     from dflashpipe.dflash2 import CandidateSelector
 

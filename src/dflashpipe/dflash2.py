@@ -115,14 +115,22 @@ class CandidateSelector(nn.Module):
     ) -> tuple[Tensor, Tensor, Tensor]:
         """`walk` given each slot's unary top K, logits and ids (N, S, K) (training's loss finds
         them chunk by chunk, never holding (N, S, V) logits)."""
-        # what does not depend on the path, for every slot at once (one projection, one gather:
-        # fewer kernels in the decoding step than a projection and a gather per slot)
+        # Every edge the walk can take, before it starts: slot 0's from the anchor (N, 1, K) and
+        # slot p's from each of slot p-1's K candidates (N, S-1, K, K), in two products. What is
+        # left per slot is a row pick, an add and an argmax (one fused kernel under compile,
+        # where a slot's own projection, gather and product took several).
         projected = self.hidden_projection(hidden)  # (N, S, R)
         successors = self.successor_codebook[candidates]  # (N, S, K, R)
-        previous, path, scores = anchor, [], []
+        first = self._edges(projected[:, :1], anchor[:, None], successors[:, :1])  # (N, 1, K)
+        queries = self.predecessor_codebook[candidates[:, :-1]] * projected[:, 1:, None]
+        table = queries @ successors[:, 1:].transpose(-1, -2).to(queries.dtype)  # (N, S-1, K, K)
+        rows = torch.arange(hidden.shape[0], device=hidden.device)
+        pick, picks, scores = None, [], []
         for p in range(hidden.shape[-2]):
-            s = unary[:, p] + self._edges(projected[:, p], previous, successors[:, p])  # (N, K)
-            previous = candidates[:, p].gather(-1, s.argmax(-1, keepdim=True))[:, 0]  # (N,)
-            path.append(previous)
+            edges = first[:, 0] if p == 0 else table[rows, p - 1, pick]  # (N, K)
+            s = unary[:, p] + edges
+            pick = s.argmax(-1)  # (N,): the index of the chosen candidate
+            picks.append(pick)
             scores.append(s)
-        return torch.stack(path, 1), candidates, torch.stack(scores, 1)
+        path = candidates.gather(-1, torch.stack(picks, 1)[..., None])[..., 0]  # (N, S)
+        return path, candidates, torch.stack(scores, 1)
