@@ -172,19 +172,22 @@ def mfu(flops: float, seconds: float, device: torch.device) -> float | None:
     return flops / seconds / peak if peak else None
 
 
-def profile_step(model: Drafter, batch: dict, out: Path, rows: int = 30) -> None:
-    """CUDA time per kernel over two steps (after the timed ones: compiled and warm), the
-    table printed and written to `out`, to find where a step's time goes."""
+def profile_step(step, out: Path, accum: int = 1, rows: int = 30) -> None:
+    """Time per kernel over two optimizer steps of `step` (make_step's; after the timed ones:
+    compiled and warm), the table printed and written to `out`, to find where a step's time
+    goes (CUDA time on a card, CPU time in a smoke run)."""
     from torch.profiler import ProfilerActivity, profile
 
-    step = make_step(model, batch)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    cuda = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
+    with profile(activities=activities) as prof:
         for _ in range(2):
-            step()
+            step(accum)
         sync()
     table = prof.key_averages().table(
-        sort_by="cuda_time_total", row_limit=rows, max_name_column_width=70
-    )
+        sort_by="cuda_time_total" if cuda else "cpu_time_total", row_limit=rows,
+        max_name_column_width=70,
+    )  # fmt: skip
     out.write_text(table)
     print(table, flush=True)
 
@@ -199,9 +202,10 @@ def cell_config(variant: str) -> Config:
 
 
 def time_cells(variants: list[str], steps: int, rounds: int, answer_tokens: int, smoke: bool,
-               device: torch.device) -> dict:  # fmt: skip
+               device: torch.device, profile: str | None = None) -> dict:  # fmt: skip
     """Each cell's median seconds per micro-batch (module docstring), its ratio to the first
-    cell's, and what it trained (architecture, objective, the last step's loss)."""
+    cell's, and what it trained (architecture, objective, the last step's loss). `profile`:
+    after the rounds, each cell's kernel table (profile_step) into PROFILE-CELL.txt."""
     shape, cells = SHAPES["smollm2"], {}
     with tempfile.TemporaryDirectory() as tmp:
         for v in variants:
@@ -238,6 +242,8 @@ def time_cells(variants: list[str], steps: int, rounds: int, answer_tokens: int,
                     c["times"].append((time.perf_counter() - t) / c["accum"])
             say(f"round {r + 1}: " + ", ".join(f"{v} {statistics.median(c['times']) * 1e3:.2f} ms"
                                               for v, c in cells.items()))  # fmt: skip
+        for v, c in cells.items() if profile else ():
+            profile_step(c["step"], Path(f"{profile}-{v}.txt"), c["accum"])
     first = statistics.median(next(iter(cells.values()))["times"])
     out = {}
     for v, c in cells.items():
@@ -260,7 +266,8 @@ def main(argv: list[str] | None = None) -> dict:
                     help="micro-batches per optimizer step (the stage's tokens_per_step); one "
                          "figure each, the first is the headline")  # fmt: skip
     ap.add_argument("--smoke", action="store_true")
-    ap.add_argument("--profile", help="also write a per-kernel CUDA time table of two steps here")
+    ap.add_argument("--profile", help="also write a per-kernel CUDA time table of two steps here "
+                    "(--cells: one per cell, PROFILE-CELL.txt)")
     ap.add_argument(
         "--cells", nargs="+", help="instead: these quality cells' steps (module docstring)"
     )
@@ -277,7 +284,7 @@ def main(argv: list[str] | None = None) -> dict:
     }
     if args.cells:
         res["cells"] = time_cells(args.cells, args.steps, args.rounds, args.answer_tokens,
-                                  args.smoke, device)  # fmt: skip
+                                  args.smoke, device, args.profile)  # fmt: skip
         Path(args.out).write_text(json.dumps(res, indent=2))
         print("| cell | ms per micro-batch | x first | architecture | objective | labels |")
         print("|---|---:|---:|---|---|---|")
@@ -307,7 +314,7 @@ def main(argv: list[str] | None = None) -> dict:
             say(f"step {s_acc * 1e3:.1f} ms per micro-batch, {accum} per optimizer step "
                 f"(MFU {res[f'mfu_accum_{accum}'] or 0:.1%})")  # fmt: skip
         if args.profile and device.type == "cuda":
-            profile_step(model, batch, Path(args.profile))
+            profile_step(make_step(model, batch), Path(args.profile), args.accum[0])
         for w in args.workers:
             res[f"loader_batches_per_s_{w}_workers"] = loader_rate(ds, w, device.type == "cuda")
             say(f"loader, {w} workers: {res[f'loader_batches_per_s_{w}_workers']:.2f} batches/s")
