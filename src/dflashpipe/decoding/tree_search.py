@@ -26,7 +26,7 @@ that pushed it: its parent or its previous sibling):
 
 A DFlash2 drafter's tree (`selector`): a node's children are its slot's same k candidates, but
 scored from the node's own token, p(child | node) = the slot's top-k unary mass x the selector's
-softmax over the k of (unary log-prob + edge(node's token, child)) (`selector_step`); the tree is
+softmax over the k of (unary log-prob + edge(node's token, child)) (`selector_steps`); the tree is
 again the best `budget` paths, parents first. With every edge 0 (the selector at step 0) it is
 the unary tree; otherwise the chain guarantees above hold for the selector's scores only in
 part: its greedy walk need not be the best path of each depth.
@@ -80,7 +80,7 @@ def grow_tree(
 
     `selector` (a DFlash2 drafter's CandidateSelector, with `hidden` (S, H) the drafter's final
     states of the slots and `anchor` (1,) the root's token): a node's step score depends on its
-    parent's token, `selector_step`; the beam argument holds as each step scores <= 0."""
+    parent's token, `selector_steps`; the beam argument holds as each step scores <= 0."""
     if budget < 1:
         raise ValueError(f"budget {budget} must be >= 1")
     S, k = top_logprobs.shape
@@ -91,18 +91,20 @@ def grow_tree(
     beam = torch.full((budget,), -math.inf, dtype=torch.float64, device=device)
     beam = torch.where(torch.arange(budget, device=device) == 0, 0.0, beam)
     scores, parent_pos, tokens = [], [], []
-    previous = None if selector is None else anchor.expand(budget)  # (N,) each prefix's last token
+    if selector is not None:  # every step score a node can take, before the search
+        steps = selector_steps(selector, hidden, anchor, ids, lp)  # (S, k, k)
+        rank = torch.zeros(budget, dtype=torch.long, device=device)  # slot 0: any row (the anchor)
     for d in range(S):
         step = lp[d][None, :]  # (1, k): the unary log-probs, whatever the parent
         if selector is not None:
-            step = selector_step(selector, hidden[d], previous, ids[d], lp[d])  # (N, k)
+            step = steps[d][rank]  # (N, k): after each prefix's last token, its rank at d-1
         cand = (beam[:, None] + step).flatten()  # (N*k,): parent-major, then rank
         best = cand.sort(descending=True, stable=True).indices[:budget]  # (N,)
         beam = cand[best]
         scores.append(beam)
         parent_pos.append(best // k)  # the parent's position in the previous depth's beam
-        tokens.append(ids[d][best % k])
-        previous = tokens[-1]
+        rank = best % k
+        tokens.append(ids[d][rank])
     flat = torch.cat(scores)  # (S*N,), depth-major
     chosen = flat.sort(descending=True, stable=True).indices[:budget]  # (N,) flat positions
     valid = flat[chosen] > -math.inf
@@ -122,17 +124,24 @@ def grow_tree(
     )
 
 
-def selector_step(
-    selector: nn.Module, hidden: Tensor, previous: Tensor, ids: Tensor, logprobs: Tensor
+def selector_steps(
+    selector: nn.Module, hidden: Tensor, anchor: Tensor, ids: Tensor, logprobs: Tensor
 ) -> Tensor:
-    """One slot's step scores (N, k) for prefixes ending in `previous` (N,): the slot's top-k mass
-    under the unary distribution (`logprobs` (k,), float64) shared out by the selector's softmax
-    over the k candidates `ids` (k,) of (unary log-prob + its edge from the previous token),
-    `hidden` (H,) the slot's final state. With every edge 0 (a zero successor codebook, the
-    selector at step 0) it is the unary log-prob itself, so the tree is the unary tree."""
-    n, k = previous.shape[0], ids.shape[0]
-    edge = selector.edge_scores(hidden.expand(n, -1), previous, ids.expand(n, k))  # (N, k)
-    return (logprobs + edge.double()).log_softmax(-1) + logprobs.logsumexp(-1)
+    """Every step score of a DFlash2 tree, (S, k, k): [d, r] scores slot d's k candidates `ids`
+    (S, k) after a prefix ending in slot d-1's rank-r candidate (slot 0: after the anchor (1,),
+    every r alike). A step score is the slot's top-k mass under the unary distribution
+    (`logprobs` (S, k), float64) shared out by the selector's softmax over the k candidates of
+    (unary log-prob + its edge from the previous token); `hidden` (S, H) the slots' final
+    states. The tree's previous tokens are always a slot's candidates, so the search only picks
+    rows: one projection and one product here, none per depth. With every edge 0 (a zero
+    successor codebook, the selector at step 0) it is the unary log-prob, the unary tree."""
+    S, k = ids.shape
+    previous = torch.cat([anchor.expand(1, k), ids[:-1]])  # (S, k): the tokens a slot follows
+    query = selector.predecessor_codebook[previous] * selector.hidden_projection(hidden)[:, None]
+    successors = selector.successor_codebook[ids].to(query.dtype)  # (S, k, R)
+    edge = query @ successors.transpose(-1, -2)  # (S, k previous, k candidates)
+    step = (logprobs[:, None, :] + edge.double()).log_softmax(-1)
+    return step + logprobs.logsumexp(-1)[:, None, None]
 
 
 def _ancestors(parents: Tensor, max_depth: int) -> Tensor:
