@@ -267,7 +267,7 @@ def main(argv: list[str] | None = None) -> dict:
                          "figure each, the first is the headline")  # fmt: skip
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--profile", help="also write a per-kernel CUDA time table of two steps here "
-                    "(--cells: one per cell, PROFILE-CELL.txt)")
+                    "(--cells: one per cell, PROFILE-CELL.txt)")  # fmt: skip
     ap.add_argument(
         "--cells", nargs="+", help="instead: these quality cells' steps (module docstring)"
     )

@@ -94,15 +94,23 @@ class CandidateSelector(nn.Module):
         """hidden (..., H) final states of drafted slots, previous (...) the token before each,
         candidates (..., K) -> (..., K) the pairwise term of each candidate's score (teacher
         forcing passes the true previous tokens)."""
-        return self._edges(
-            self.hidden_projection(hidden), previous, self.successor_codebook[candidates]
-        )
+        query = self.predecessor_codebook[previous] * self.hidden_projection(hidden)  # (..., R)
+        successors = self.successor_codebook[candidates].to(query.dtype)  # (..., K, R)
+        return (successors @ query[..., :, None])[..., 0]  # (..., K)
 
-    def _edges(self, projected: Tensor, previous: Tensor, successors: Tensor) -> Tensor:
-        """edge_scores from the slots' projected states (..., R) and the candidates' successor
-        codes (..., K, R)."""
-        query = self.predecessor_codebook[previous] * projected  # (..., R)
-        return (successors.to(query.dtype) @ query[..., :, None])[..., 0]  # (..., K)
+    def transitions(self, hidden: Tensor, anchor: Tensor, candidates: Tensor) -> Tensor:
+        """Every edge a path over the slots' candidates can take, (..., S, K, K): [p, r, j] the
+        edge into slot p's candidate j from slot p-1's candidate r (slot 0: from the anchor,
+        every r alike); hidden (..., S, H) the slots' final states, anchor (...), candidates
+        (..., S, K). A path's previous token is always the slot before's candidate or the
+        anchor, so the walk and the DDTree search only pick rows of it (one projection and one
+        product for all slots)."""
+        K = candidates.shape[-1]
+        first = anchor[..., None, None].expand(*anchor.shape, 1, K)  # (..., 1, K)
+        previous = torch.cat([first, candidates[..., :-1, :]], -2)  # (..., S, K)
+        query = self.predecessor_codebook[previous] * self.hidden_projection(hidden)[..., None, :]
+        successors = self.successor_codebook[candidates].to(query.dtype)  # (..., S, K, R)
+        return query @ successors.transpose(-1, -2)
 
     def walk(self, hidden: Tensor, logits: Tensor, anchor: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """The greedy path from the anchor: hidden (N, S, H) and logits (N, S, V) of the S drafted
@@ -115,20 +123,15 @@ class CandidateSelector(nn.Module):
     ) -> tuple[Tensor, Tensor, Tensor]:
         """`walk` given each slot's unary top K, logits and ids (N, S, K) (training's loss finds
         them chunk by chunk, never holding (N, S, V) logits)."""
-        # Every edge the walk can take, before it starts: slot 0's from the anchor (N, 1, K) and
-        # slot p's from each of slot p-1's K candidates (N, S-1, K, K), in two products. What is
-        # left per slot is a row pick, an add and an argmax (one fused kernel under compile,
-        # where a slot's own projection, gather and product took several).
-        projected = self.hidden_projection(hidden)  # (N, S, R)
-        successors = self.successor_codebook[candidates]  # (N, S, K, R)
-        first = self._edges(projected[:, :1], anchor[:, None], successors[:, :1])  # (N, 1, K)
-        queries = self.predecessor_codebook[candidates[:, :-1]] * projected[:, 1:, None]
-        table = queries @ successors[:, 1:].transpose(-1, -2).to(queries.dtype)  # (N, S-1, K, K)
+        # every edge the walk can take, before it starts: what is left per slot is a row pick,
+        # an add and an argmax (one fused kernel under compile, where a slot's own projection,
+        # gather and product took several)
+        table = self.transitions(hidden, anchor, candidates)  # (N, S, K, K)
         rows = torch.arange(hidden.shape[0], device=hidden.device)
-        pick, picks, scores = None, [], []
+        pick = torch.zeros_like(anchor)  # slot 0's rows are all the anchor's
+        picks, scores = [], []
         for p in range(hidden.shape[-2]):
-            edges = first[:, 0] if p == 0 else table[rows, p - 1, pick]  # (N, K)
-            s = unary[:, p] + edges
+            s = unary[:, p] + table[rows, p, pick]  # (N, K)
             pick = s.argmax(-1)  # (N,): the index of the chosen candidate
             picks.append(pick)
             scores.append(s)

@@ -132,14 +132,10 @@ def selector_steps(
     every r alike). A step score is the slot's top-k mass under the unary distribution
     (`logprobs` (S, k), float64) shared out by the selector's softmax over the k candidates of
     (unary log-prob + its edge from the previous token); `hidden` (S, H) the slots' final
-    states. The tree's previous tokens are always a slot's candidates, so the search only picks
-    rows: one projection and one product here, none per depth. With every edge 0 (a zero
+    states. The tree's previous tokens are always a slot's candidates (`transitions`), so the
+    search only picks rows: one projection and one product here, none per depth. With every edge 0 (a zero
     successor codebook, the selector at step 0) it is the unary log-prob, the unary tree."""
-    S, k = ids.shape
-    previous = torch.cat([anchor.expand(1, k), ids[:-1]])  # (S, k): the tokens a slot follows
-    query = selector.predecessor_codebook[previous] * selector.hidden_projection(hidden)[:, None]
-    successors = selector.successor_codebook[ids].to(query.dtype)  # (S, k, R)
-    edge = query @ successors.transpose(-1, -2)  # (S, k previous, k candidates)
+    edge = selector.transitions(hidden, anchor.reshape(()), ids)  # (S, k previous, k)
     step = (logprobs[:, None, :] + edge.double()).log_softmax(-1)
     return step + logprobs.logsumexp(-1)[:, None, None]
 
