@@ -71,6 +71,11 @@ def chain_acceptance(chain: list[float], labels: list[float]) -> float:
     return float(1 + sum(c / max(n, 1) for c, n in zip(chain, labels, strict=True)))
 
 
+def slot_width(block_size: int) -> int:
+    """Length of slot_sums: the right, labelled and chain counts, (B-1) each."""
+    return 3 * (block_size - 1)
+
+
 def slot_sums(m: dict) -> torch.Tensor:
     """One micro-batch's unary slot sums (loss.slot_metrics'): the right, labelled and chain
     counts, (B-1,) each, as one device vector (slot_row reads a sum of them)."""
@@ -170,7 +175,7 @@ class MetricsLog:
     def _reset(self) -> None:
         dev, B = self.facts.device, self.facts.block_size
         self.loss = torch.zeros((), device=dev)
-        self.slots = torch.zeros(3 * (B - 1), device=dev)  # slot_sums
+        self.slots = torch.zeros(slot_width(B), device=dev)  # slot_sums
         self.flops = torch.zeros((), device=dev, dtype=torch.float64)
         self.selector: torch.Tensor | None = None  # a DFlash2 drafter's selector_sums
         self.n = 0

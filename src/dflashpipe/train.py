@@ -62,6 +62,7 @@ from dflashpipe.metrics import (
     selector_width,
     slot_row,
     slot_sums,
+    slot_width,
     step_flops,
 )
 from dflashpipe.model import FROZEN_PREFIXES, Drafter, DrafterConfig, init_from_target_layers
@@ -523,7 +524,7 @@ class Trainer:
         data = PackedBatches(self.shards, self.val_samples, self._val_plan, self.tokens,
                              self.tc.num_anchors, self.tc.seed, epoch=0, topk=self.topk,
                              quantized=self.quantized)  # fmt: skip
-        vec = torch.zeros(1 + 3 * (B - 1), device=self.device)  # loss sum, slot_sums
+        vec = torch.zeros(1 + slot_width(B), device=self.device)  # loss sum, slot_sums
         selector = self.selector_term(self.step - 1)  # the alpha of the step just taken
         sel = torch.zeros(selector_width(B) if selector else 0, device=self.device)
         self.model.train(not self.tc.dropout)  # measured as evaluated: without dropout

@@ -133,8 +133,9 @@ def selector_steps(
     (`logprobs` (S, k), float64) shared out by the selector's softmax over the k candidates of
     (unary log-prob + its edge from the previous token); `hidden` (S, H) the slots' final
     states. The tree's previous tokens are always a slot's candidates (`transitions`), so the
-    search only picks rows: one projection and one product here, none per depth. With every edge 0 (a zero
-    successor codebook, the selector at step 0) it is the unary log-prob, the unary tree."""
+    search only picks rows: one projection and one product here, none per depth. With every
+    edge 0 (a zero successor codebook, the selector at step 0) it is the unary log-prob, the
+    unary tree."""
     edge = selector.transitions(hidden, anchor.reshape(()), ids)  # (S, k previous, k)
     step = (logprobs[:, None, :] + edge.double()).log_softmax(-1)
     return step + logprobs.logsumexp(-1)[:, None, None]
