@@ -22,6 +22,7 @@ weight` (2*K*G, H); the codebooks (V, R) are bare tensors, `hidden_projection.we
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 
@@ -94,8 +95,8 @@ class CandidateSelector(nn.Module):
         """hidden (..., H) final states of drafted slots, previous (...) the token before each,
         candidates (..., K) -> (..., K) the pairwise term of each candidate's score (teacher
         forcing passes the true previous tokens)."""
-        query = self.predecessor_codebook[previous] * self.hidden_projection(hidden)  # (..., R)
-        successors = self.successor_codebook[candidates].to(query.dtype)  # (..., K, R)
+        query = F.embedding(previous, self.predecessor_codebook) * self.hidden_projection(hidden)
+        successors = F.embedding(candidates, self.successor_codebook).to(query.dtype)  # (..., K, R)
         return (successors @ query[..., :, None])[..., 0]  # (..., K)
 
     def transitions(self, hidden: Tensor, anchor: Tensor, candidates: Tensor) -> Tensor:
@@ -108,9 +109,10 @@ class CandidateSelector(nn.Module):
         K = candidates.shape[-1]
         first = anchor[..., None, None].expand(*anchor.shape, 1, K)  # (..., 1, K)
         previous = torch.cat([first, candidates[..., :-1, :]], -2)  # (..., S, K)
-        query = self.predecessor_codebook[previous] * self.hidden_projection(hidden)[..., None, :]
-        successors = self.successor_codebook[candidates].to(query.dtype)  # (..., S, K, R)
-        return query @ successors.transpose(-1, -2)
+        query = F.embedding(previous, self.predecessor_codebook)  # (..., S, K, R)
+        query = query * self.hidden_projection(hidden)[..., None, :]
+        successors = F.embedding(candidates, self.successor_codebook)  # (..., S, K, R)
+        return query @ successors.to(query.dtype).transpose(-1, -2)
 
     def walk(self, hidden: Tensor, logits: Tensor, anchor: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """The greedy path from the anchor: hidden (N, S, H) and logits (N, S, V) of the S drafted
