@@ -77,6 +77,18 @@ def test_selector_loss_and_gradients_equal_a_float64_reference(policy):
     assert hits == int(valid.sum()) - outside and metrics["selector_loss"] == loss.detach()
 
 
+def test_bf16_top_k_is_taken_before_the_float_copy_with_the_same_values():
+    """In bf16 (the GPU's autocast) the chunk kernel takes the top K of the bf16 products: the
+    float32 logits' top K exactly (a bf16 product is exact in float32), returned in float32."""
+    hidden, W, labels, valid, *_ = _selector_case(2)
+    hidden, W = hidden.detach().bfloat16(), W.bfloat16()
+    _, m = dflash_loss(hidden, W, labels, valid, 2.0, chunk_rows=5, top_k=4)
+    values, ids = (hidden[:, 1:] @ W.T).float().topk(4, -1)
+    assert m["top_k"].logits.dtype == torch.float32
+    assert torch.equal(m["top_k"].logits, values.flatten(0, 1))
+    assert torch.equal(m["top_k"].ids, ids.flatten(0, 1))
+
+
 def test_unary_top_k_found_in_chunks_and_the_path_is_the_selectors_walk():
     """The top K the chunk kernel keeps is torch.topk of the whole logits (padded last chunk
     too); path_correct counts the slots where CandidateSelector.walk over the whole logits,
