@@ -5,6 +5,7 @@
 #   steps    DFlash's and DFlash2's decoding step at the recipe's shapes, alternating, two rounds
 #            each (issue 63's 10% bound): DIR/step-ARCH-ROUND.{json,log}
 #   cells    each quality cell's train step in turns (issue 62's 15% bound): DIR/cells.{json,log}
+#   dflash2  decay CE's and DFlash2's train steps alone, in turns: DIR/dflash2.{json,log}
 #   profile  decay CE's and DFlash2's train step, each cell's kernel table: DIR/prof-CELL.txt
 cd "$(dirname "$0")/../.." && . benchmarks/remote/setup.sh >/dev/null
 D=${1:-/tmp/t}; shift || true; mkdir -p $D; rm -f $D/done
@@ -20,10 +21,13 @@ for part in ${@:-steps cells}; do
     cells)
       python3 benchmarks/train.py --cells qx4-ce qx4-kl qx4-greedy qx4-dpace qx4-el qx4-dflash2 \
         --steps 10 --rounds 3 --out $D/cells.json > $D/cells.log 2>&1 ;;
+    dflash2)
+      python3 benchmarks/train.py --cells qx4-ce qx4-dflash2 --steps 10 --rounds 3 \
+        --out $D/dflash2.json > $D/dflash2.log 2>&1 ;;
     profile)
       python3 benchmarks/train.py --cells qx4-ce qx4-dflash2 --steps 5 --rounds 1 \
         --profile $D/prof --out $D/prof.json > $D/prof.log 2>&1 ;;
-    *) echo "timing.sh: unknown part $part (steps, cells, profile)" >&2 ;;
+    *) echo "timing.sh: unknown part $part (steps, cells, dflash2, profile)" >&2 ;;
   esac
 done
 touch $D/done
