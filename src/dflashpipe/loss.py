@@ -409,7 +409,11 @@ def _chunk_loss(
     distill_weight, rank_weight, rank_k, T, overlap, softcap, top_k = terms
     hard = 1 - distill_weight - rank_weight
     products = rows @ weight.T  # (c, V) in the rows' dtype
+    # the top K before the float copy: the same values (a bf16 product is exact in float32), and
+    # a radix select over 16-bit keys takes half the passes of 32-bit's
+    unary = products.topk(top_k, -1) if top_k else None  # (c, K) values and ids
     logits = products.float()
+    del products  # eager, the float copy alone stays alive
     lse = logits.logsumexp(-1)  # (c,)
     picked = logits.gather(1, labels[:, None])[:, 0]  # (c,)
     per_row = hard * (lse - picked)  # (c,) CE
@@ -444,12 +448,7 @@ def _chunk_loss(
         margin = kth[:, -1] - picked  # (c,)
         per_row = per_row + rank_weight * F.softplus(margin)
     correct = logits.argmax(-1) == labels
-    # the top-K of the products before their float copy: the same values (a bf16 product is
-    # exact in float32), and a radix select over 16-bit keys takes half the passes of 32-bit's
-    top = ()
-    if top_k:
-        values, ids = products.topk(top_k, -1)  # (c, K)
-        top = (values.float(), ids, picked)  # (c, K), (c, K), (c,)
+    top = (unary.values.float(), unary.indices, picked) if unary else ()  # (c, K), (c, K), (c,)
     if not need_grad:
         return per_row, acceptance, correct, None, *top
     # d CE / d logits = softmax - onehot(label); d T^2 KL / d logits = T (softmax(z / T) - p) on
