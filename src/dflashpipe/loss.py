@@ -448,7 +448,7 @@ def _chunk_loss(
         margin = kth[:, -1] - picked  # (c,)
         per_row = per_row + rank_weight * F.softplus(margin)
     correct = logits.argmax(-1) == labels
-    top = (unary.values.float(), unary.indices, picked) if unary else ()  # (c, K), (c, K), (c,)
+    top = (unary.values.float(), unary.indices, picked) if top_k else ()  # (c, K), (c, K), (c,)
     if not need_grad:
         return per_row, acceptance, correct, None, *top
     # d CE / d logits = softmax - onehot(label); d T^2 KL / d logits = T (softmax(z / T) - p) on
