@@ -286,6 +286,17 @@ def _(env):
 
 
 @case(
+    "config-loss-length-share",
+    "config",
+    "the expected-length objective's share outside (0, 1]",
+    r"train\.loss\.length_share: 0 is less than or equal to the minimum of 0",
+)
+def _(env):
+    loss = {"objective": "expected_length", "length_share": 0}
+    return check_config(env, env.raw(train={"loss": loss}))
+
+
+@case(
     "config-dflash2-key-on-dflash",
     "config",
     "a DFlash2 size on a dflash drafter (issue 63)",

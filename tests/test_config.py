@@ -221,9 +221,8 @@ def test_train_loss_defaults_to_decay_cross_entropy_and_is_checked(tmp_path):
 
     cfg = Config.from_dict(base_config(tmp_path))
     loss = cfg.train.loss
-    assert (loss.objective, loss.weighting, loss.dpace_mix, loss.kl_temperature, loss.labels) == (
-        "cross_entropy", "decay", 0.5, 1.0, "sampled",
-    )  # fmt: skip
+    assert (loss.objective, loss.weighting, loss.dpace_mix, loss.kl_temperature, loss.labels,
+            loss.length_share) == ("cross_entropy", "decay", 0.5, 1.0, "sampled", 0.5)  # fmt: skip
     assert "loss" not in cfg.raw["train"] and not cfg.extract.final_hidden
     assert loss.needs_target() == []
 
@@ -245,7 +244,13 @@ def test_train_loss_defaults_to_decay_cross_entropy_and_is_checked(tmp_path):
         ({"loss": {"objective": "expected_length", "weighting": "dpace"}},
          "train.loss.weighting is 'dpace' with train.loss.objective expected_length"),
         ({"loss": {"objective": "expected_length"}, "rank_weight": 0.2},
-         "expected_length is the whole loss"),
+         "expected_length mixes with decay cross-entropy only (train.loss.length_share)"),
+        ({"loss": {"objective": "expected_length", "length_share": 0}},
+         "train.loss.length_share: 0 is less than or equal to the minimum of 0"),
+        ({"loss": {"objective": "expected_length", "length_share": 1.5}},
+         "train.loss.length_share: 1.5 is greater than the maximum of 1"),
+        ({"loss": {"length_share": 0.8}},
+         "train.loss.length_share is 0.8 with train.loss.objective 'cross_entropy'"),
         ({"loss": {"objective": "forward_kl"}, "distill_weight": 0.5},
          "train.distill_weight is 0.5 with train.loss.objective forward_kl"),
         ({"loss": {"objective": "forward_kl"}}, "extract.final_hidden off, extract.topk 0"),

@@ -408,33 +408,66 @@ def test_dpace_loss_and_gradient_equal_the_dense_reference(distill_weight, T, mi
     assert all(torch.equal(metrics[m], decay_metrics[m]) for m in metrics)
 
 
-@pytest.mark.parametrize("chunk_rows", [3, 4096])
-def test_expected_length_gradient_equals_autograd_of_the_dense_objective(chunk_rows):
-    """-E[tau - 1] per block, a_j = q(label_j) NOT detached: the kernel's weights c_j / A' must
-    give exactly the gradient autograd finds through the prefix products."""
+@pytest.mark.parametrize(("chunk_rows", "share"), [(3, 1.0), (4096, 1.0), (3, 0.5), (5, 0.2)])
+def test_expected_length_gradient_equals_autograd_of_the_dense_objective(chunk_rows, share):
+    """s x -E[tau - 1] per block + (1 - s) x decay cross-entropy, a_j = q(label_j) NOT detached:
+    the kernel's mixed weights s c_j / A' + (1 - s) w_j must give exactly the gradient autograd
+    finds through the prefix products and the decay-weighted log-probabilities."""
     hidden, weight, labels, valid, _ = random_blocks(5, V=12)  # a small vocabulary: a_j not tiny
     A, B, _ = hidden.shape
-    loss, _ = dflash_loss(hidden, weight, labels, valid, 4.0, chunk_rows=chunk_rows,
-                          objective="expected_length")  # fmt: skip
+    gamma = 4.0
+    loss, _ = dflash_loss(hidden, weight, labels, valid, gamma, chunk_rows=chunk_rows,
+                          objective="expected_length", length_share=share)  # fmt: skip
     (grad,) = torch.autograd.grad(loss, hidden)
 
     ref_hidden = hidden.detach().double().requires_grad_()
     z = ref_hidden @ weight.double().T  # (A, B, V): full logits, no chunks
-    a = z.softmax(-1).gather(2, labels[..., None])[..., 0]  # (A, B)
-    total, blocks = 0.0, 0
+    logp = z.log_softmax(-1).gather(2, labels[..., None])[..., 0]  # (A, B)
+    a = logp.exp()
+    total, blocks, ce, decay = 0.0, 0, 0.0, 0.0
     for i in range(A):
         blocks += bool(valid[i].any())
         prefix = 1.0
+        for j in range(1, B):
+            w = math.exp(-(j - 1) / gamma)  # cross-entropy takes every valid slot, decayed
+            ce, decay = (ce - w * logp[i, j], decay + w) if valid[i, j] else (ce, decay)
         for j in range(1, B):
             if not valid[i, j]:
                 break  # the chain ends at the first invalid slot
             prefix = prefix * a[i, j]
             total = total + prefix
-    ref = -total / blocks
+    ref = share * -total / blocks + (1 - share) * ce / decay
     (ref_grad,) = torch.autograd.grad(ref, ref_hidden)
-    assert blocks == 3 and ref_grad[1, 4:].abs().max() == 0  # past block 1's cut: no gradient
+    assert blocks == 3
+    if share == 1:  # past block 1's cut -E[tau] alone has no gradient
+        assert ref_grad[1, 4:].abs().max() == 0
     torch.testing.assert_close(loss.double(), ref.detach(), atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(grad.double(), ref_grad, atol=1e-7, rtol=1e-4)
+
+
+def test_expected_length_alone_has_almost_no_gradient_from_random_weights():
+    """Why -E[tau] takes a cross-entropy share: with the label's probability about 1/V (random
+    weights), slot j's gradient is cross-entropy's times prod_{i<=k} a_i summed over k >= j, so
+    -E[tau] alone moves the drafter about 1/V as much as cross-entropy does, and slot 2 and on
+    1/V^2; the default share keeps (1 - s) of cross-entropy's pull on every slot."""
+    torch.manual_seed(0)
+    A, B, H, V = 16, 8, 32, 2048
+    hidden = (0.01 * torch.randn(A, B, H)).requires_grad_()  # near-uniform drafter: a ~ 1/V
+    weight = torch.randn(V, H)
+    labels = torch.randint(0, V, (A, B))
+    valid = torch.ones(A, B, dtype=torch.bool)
+
+    def pull(**kw):  # each slot's gradient norm, (B-1,)
+        loss, _ = dflash_loss(hidden, weight, labels, valid, 4.0, chunk_rows=64, **kw)
+        (g,) = torch.autograd.grad(loss, hidden)
+        return g[:, 1:].norm(dim=(0, 2))
+
+    ce = pull()
+    alone = pull(objective="expected_length", length_share=1.0)
+    mixed = pull(objective="expected_length")  # the default share, 0.5
+    assert (alone[0] / ce[0]) < 4 / V  # about 1/V of cross-entropy's on slot 1
+    assert (alone[1:] / ce[1:]).max() < 1e-5  # and nothing on the later slots
+    torch.testing.assert_close(mixed, 0.5 * ce, rtol=4 / V, atol=0)
 
 
 @pytest.mark.parametrize("T", [0.5, 3.0])
@@ -491,6 +524,10 @@ def test_greedy_labels_hand_made():
         ({"objective": "expected_length", "weighting": "dpace"}, "weighting"),
         ({"objective": "expected_length", "distill_weight": 0.5}, "distill_weight"),
         ({"objective": "expected_length", "rank_weight": 0.5}, "rank_weight"),
+        ({"objective": "expected_length", "length_share": 0.0}, "length_share 0.0 is not a share"),
+        ({"objective": "expected_length", "length_share": 1.5}, "length_share 1.5 is not a share"),
+        ({"objective": "expected_length", "length_share": float("nan")}, "length_share nan"),
+        ({"length_share": 0.8}, "length_share 0.8 needs objective 'expected_length'"),
     ],
 )
 def test_bad_arguments_are_refused_naming_them(kwargs, named):

@@ -55,6 +55,10 @@ OTHER = {
     "train.loss.objective": {"train.loss.objective": "expected_length"},
     "train.loss.weighting": {"train.loss.weighting": "dpace"},
     "train.loss.dpace_mix": {"train.loss.weighting": "dpace", "train.loss.dpace_mix": 0.25},
+    "train.loss.length_share": {
+        "train.loss.objective": "expected_length",
+        "train.loss.length_share": 1.0,
+    },  # fmt: skip
     "train.loss.kl_temperature": {
         "train.loss.objective": "forward_kl",
         "train.loss.kl_temperature": 2.0,
@@ -115,6 +119,7 @@ EXPECTED = {
     "train.loss.objective": DOWN_FROM["train"],
     "train.loss.weighting": DOWN_FROM["train"],
     "train.loss.dpace_mix": DOWN_FROM["train"],
+    "train.loss.length_share": DOWN_FROM["train"],
     "drafter.architecture": DOWN_FROM["train"],
     "drafter.conv_group_size": DOWN_FROM["train"],
     "drafter.selector_top_k": DOWN_FROM["train"],
@@ -237,7 +242,8 @@ def test_unset_loss_and_final_hidden_keep_finished_runs_current(base):
     assert base.train.loss.objective == "cross_entropy" and not base.extract.final_hidden
     explicit = Config.from_dict(_edited(base.raw, {"train.loss": {}}))
     assert explicit.raw["train"]["loss"] == {"objective": "cross_entropy", "weighting": "decay",
-                                             "dpace_mix": 0.5, "kl_temperature": 1.0,
+                                             "dpace_mix": 0.5, "length_share": 0.5,
+                                             "kl_temperature": 1.0,
                                              "labels": "sampled"}  # fmt: skip
     changed = {s for s in stages.STAGES if stages.digest(base, s) != stages.digest(explicit, s)}
     assert changed == {"train"}
@@ -264,7 +270,7 @@ def test_resume_fingerprint_covers_what_train_reads_but_the_safe_keys():
     for key in ("train.lr", "train.betas", "train.seed", "train.warmup_ratio", "train.grad_clip",
                 "train.gamma", "train.num_anchors", "drafter.block_size", "target.model",
                 *(f"train.loss.{k}" for k in ("objective", "weighting", "dpace_mix",
-                                              "kl_temperature", "labels")),
+                                              "length_share", "kl_temperature", "labels")),
                 "drafter.architecture", "drafter.conv_kernel_size", "drafter.conv_group_size",
                 "drafter.selector_rank", "drafter.selector_top_k",
                 *(f"train.selector.{k}" for k in ("alpha", "warmup_steps", "ramp_steps",

@@ -448,6 +448,7 @@ class LossConfig:
     weighting: str  # decay | dpace
     dpace_mix: float
     kl_temperature: float
+    length_share: float  # expected_length's share; decay cross-entropy takes the rest
     labels: str  # sampled | greedy
 
     def check(self) -> None:
@@ -458,11 +459,17 @@ class LossConfig:
                 f"{self.weighting!r}: the mixing factor is D-PACE's; set weighting to dpace, or "
                 "leave dpace_mix out"
             )
+        if self.length_share != DEFAULT_LENGTH_SHARE and self.objective != "expected_length":
+            raise ConfigError(
+                f"train.loss.length_share is {self.length_share} with train.loss.objective "
+                f"{self.objective!r}: the share is expected_length's; set that objective, or "
+                "leave length_share out"
+            )
         if self.objective == "expected_length" and self.weighting != "decay":
             raise ConfigError(
                 f"train.loss.weighting is {self.weighting!r} with train.loss.objective "
                 "expected_length, which weighs its slots itself (each by the expected length "
-                "that depends on it); leave weighting decay"
+                "that depends on it) and its cross-entropy share by decay; leave weighting decay"
             )
 
     def needs_target(self, distill_weight: float = 0.0) -> list[str]:
@@ -473,9 +480,9 @@ class LossConfig:
         return keys + [f"train.distill_weight {distill_weight}"] * (distill_weight > 0)
 
 
-DEFAULT_DPACE_MIX = _schema()["properties"]["train"]["properties"]["loss"]["properties"][
-    "dpace_mix"
-]["default"]
+_LOSS_KEYS = _schema()["properties"]["train"]["properties"]["loss"]["properties"]
+DEFAULT_DPACE_MIX = _LOSS_KEYS["dpace_mix"]["default"]
+DEFAULT_LENGTH_SHARE = _LOSS_KEYS["length_share"]["default"]
 
 
 @section("properties", "train")
@@ -537,9 +544,9 @@ class TrainConfig:
             )
         if loss.objective == "expected_length" and (self.distill_weight or self.rank_weight):
             raise ConfigError(
-                f"train.loss.objective expected_length is the whole loss: it takes no "
-                f"train.distill_weight ({self.distill_weight}) or train.rank_weight "
-                f"({self.rank_weight}); set both to 0"
+                f"train.loss.objective expected_length mixes with decay cross-entropy only "
+                f"(train.loss.length_share): it takes no train.distill_weight "
+                f"({self.distill_weight}) or train.rank_weight ({self.rank_weight}); set both to 0"
             )
         if loss.kl_temperature != 1 and loss.objective != "forward_kl" and not self.distill_weight:
             raise ConfigError(

@@ -45,6 +45,8 @@ objective="expected_length" (one peer's accept loss): -(1/A') sum_blocks sum_k p
 a_j the label's probability, the chain cut at a block's first invalid slot, A' the blocks with a
 valid slot (E[tau]'s constant 1 dropped). Not detached: its exact gradient in slot j's logits is
 c_j / A' times cross-entropy's, c_j = sum_{k >= j} prod_{i <= k} a_i (expected_length_weights).
+It takes length_share s of the loss, decay cross-entropy 1 - s: from random weights a_j is about
+1/V, and so is the term's gradient; alone it trained SmolLM2's drafter to one constant token.
 
 greedy_labels: the target's argmax as each slot's label (extract's top-1, or target_argmax of its
 final hidden states), a block's slots dropped after its first argmax that leaves the sampled
@@ -173,6 +175,7 @@ def dflash_loss(
     weighting: str = "decay",
     dpace_mix: float = 0.5,
     objective: str = "cross_entropy",
+    length_share: float = 0.5,
     kl_temperature: float = 1.0,
     target_hidden: Tensor | None = None,
     target_softcap: float | None = None,
@@ -187,14 +190,16 @@ def dflash_loss(
     (A, B, H) its final hidden states from block_target_hidden (its whole distribution through
     lm_head_weight, tanh-capped at target_softcap where the target caps its logits). rank_weight: the ranking term's share (rank_k: see the
     module docstring); cross-entropy takes 1 - distill_weight - rank_weight. weighting "decay"
-    (gamma) or "dpace" (dpace_mix); objective "cross_entropy" or "expected_length";
+    (gamma) or "dpace" (dpace_mix); objective "cross_entropy" or "expected_length" (its share
+    length_share, decay cross-entropy's the rest);
     kl_temperature: the KL's T. Returns the scalar float32 loss and {"slot_accuracy": (B-1,),
     "acceptance_length": (), "slot_labels": (B-1,) valid-label counts}, and with top_k > 0
     "top_k": UnaryTopK, each row's top_k unary logits found inside the chunks (what
     selector_loss ranks; no (N, V) logits exist). compile: default on CUDA.
     """
     check_loss_arguments(lm_head_weight, soft, distill_weight, rank_weight, rank_k, weighting,
-                         dpace_mix, objective, kl_temperature, target_hidden)  # fmt: skip
+                         dpace_mix, objective, kl_temperature, target_hidden,
+                         length_share)  # fmt: skip
     A, B, H = hidden.shape
     valid = valid[:, 1:]  # (A, B-1)
     rows = hidden[:, 1:].reshape(-1, H)  # (A*(B-1), H)
@@ -213,12 +218,14 @@ def dflash_loss(
     def weigh(losses: Tensor, acceptance: Tensor) -> tuple[Tensor, Tensor]:
         """(N,) each -> the loss and (N,) row weights, once every chunk has run."""
         a = acceptance.view(A, B - 1)
-        if objective == "expected_length":
-            loss, w = expected_length_weights(a, valid)
-            return loss, w.flatten()
         w = dpace_weights(a, valid, dpace_mix) if weighting == "dpace" else decay
         w = (w / w.sum().clamp_min(1e-12)).flatten()
-        return (w * losses).sum(), w
+        if objective != "expected_length":
+            return (w * losses).sum(), w
+        # both gradients are row weights times cross-entropy's: the mix mixes the weights
+        length, c = expected_length_weights(a, valid)
+        s = length_share
+        return s * length + (1 - s) * (w * losses).sum(), s * c.flatten() + (1 - s) * w
 
     compile = hidden.is_cuda if compile is None else compile
     loss, correct, *top = _LinearCrossEntropy.apply(
@@ -233,7 +240,7 @@ def dflash_loss(
 def check_loss_arguments(
     lm_head_weight: Tensor, soft: tuple[Tensor, Tensor] | None, distill_weight: float,
     rank_weight: float, rank_k: int, weighting: str, dpace_mix: float, objective: str,
-    kl_temperature: float, target_hidden: Tensor | None = None,
+    kl_temperature: float, target_hidden: Tensor | None = None, length_share: float = 0.5,
 ) -> None:  # fmt: skip
     """Refuse what dflash_loss cannot honour, naming the argument."""
     if lm_head_weight.requires_grad:
@@ -253,6 +260,8 @@ def check_loss_arguments(
         raise ValueError(f"objective {objective!r} is not one of {OBJECTIVES}")
     if not 0 <= dpace_mix <= 1:
         raise ValueError(f"dpace_mix {dpace_mix} is not a mixing factor in [0, 1]")
+    if not 0 < length_share <= 1:
+        raise ValueError(f"length_share {length_share} is not a share in (0, 1]")
     if not 0 < kl_temperature < math.inf:
         raise ValueError(f"kl_temperature {kl_temperature} is not a temperature > 0")
     if soft is not None and target_hidden is not None:
@@ -267,11 +276,15 @@ def check_loss_arguments(
         raise ValueError(f"kl_temperature {kl_temperature} needs the KL (distill_weight > 0)")
     if dpace_mix != 0.5 and weighting != "dpace":
         raise ValueError(f"dpace_mix {dpace_mix} needs weighting 'dpace', not {weighting!r}")
+    if length_share != 0.5 and objective != "expected_length":
+        raise ValueError(
+            f"length_share {length_share} needs objective 'expected_length', not {objective!r}"
+        )
     if objective == "expected_length" and (distill_weight or rank_weight or weighting != "decay"):
         raise ValueError(
-            "objective 'expected_length' is the whole loss, with its own slot weights: it takes "
-            f"no distill_weight ({distill_weight}), rank_weight ({rank_weight}) or weighting "
-            f"({weighting!r} given; leave it 'decay')"
+            "objective 'expected_length' has its own slot weights and mixes with decay "
+            f"cross-entropy only (length_share): it takes no distill_weight ({distill_weight}), "
+            f"rank_weight ({rank_weight}) or weighting ({weighting!r} given; leave it 'decay')"
         )
 
 

@@ -89,7 +89,8 @@ def forward_loss(
                                  soft=soft if d else None, target_hidden=target if d else None,
                                  distill_weight=d, rank_weight=rank[0], rank_k=rank[1],
                                  weighting=loss.weighting, dpace_mix=loss.dpace_mix,
-                                 objective=objective, kl_temperature=loss.kl_temperature,
+                                 objective=objective, length_share=loss.length_share,
+                                 kl_temperature=loss.kl_temperature,
                                  target_softcap=softcap, top_k=top_k)  # fmt: skip
     if selector is None:
         return total, metrics
