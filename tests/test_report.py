@@ -476,3 +476,16 @@ def test_every_drop_reason_the_code_gives_has_its_explanation():
     assert drops.counts == {"too_long": 1, "over_limit": 2}
     with pytest.raises(KeyError, match="'too_big' is not in sources.DROP_REASONS"):
         drops.drop("too_big", "a.jsonl:4")
+
+
+def test_the_report_stage_never_imports_torch():
+    """The report job reads JSON and draws plots: importing torch cost it 1.4 s of its 2 s
+    start (decoding/lookup's grid pulled it in through decoding/types)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, dflashpipe.report, dflashpipe.decoding.lookup; print('torch' in sys.modules)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "False", done.stderr[-2000:]

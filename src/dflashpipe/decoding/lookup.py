@@ -20,10 +20,12 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
-
-from torch import Tensor
+from typing import TYPE_CHECKING
 
 from dflashpipe.decoding.types import Decoded, finish
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 OCCURRENCES = ("earliest", "latest")
 SEARCHES = ("all", "prompt")

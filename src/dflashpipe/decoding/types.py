@@ -17,10 +17,11 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-import torch
-from torch import Tensor
+if TYPE_CHECKING:  # torch at call time only: the report reads lookup's grid without it
+    import torch
+    from torch import Tensor
 
 
 class Proposer(Protocol):
@@ -105,6 +106,8 @@ def clock(device: torch.device) -> float:
     """time.perf_counter() once the device has run the work queued so far: CUDA kernels run
     asynchronously, so an interval read without a sync times the launches, not the work."""
     if device.type == "cuda":
+        import torch
+
         torch.cuda.synchronize(device)
     return time.perf_counter()
 
