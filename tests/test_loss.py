@@ -622,3 +622,23 @@ def test_target_argmax_and_block_rows_come_from_the_predicting_position():
         dflash_loss(torch.randn(3, B, H), weight, labels, valid, 4.0, distill_weight=1.0,
                     soft=(topk_ids[:3, None].expand(3, B, 3), topk_lp[:3, None].expand(3, B, 3)),
                     target_hidden=rows)  # fmt: skip
+
+
+def test_the_kernels_defaults_are_the_schemas():
+    """dflash_loss's keyword defaults and the values its refusals treat as unset are
+    train.loss's schema defaults: one declaration, the other checked against it."""
+    import inspect
+
+    from dflashpipe.config import _schema
+    from dflashpipe.loss import check_loss_arguments
+
+    schema = _schema()["properties"]["train"]["properties"]["loss"]["properties"]
+    for fn in (dflash_loss, check_loss_arguments):
+        params = inspect.signature(fn).parameters
+        for key in ("dpace_mix", "length_share", "kl_temperature", "weighting", "objective"):
+            if key in params and params[key].default is not inspect.Parameter.empty:
+                assert params[key].default == schema[key]["default"], (fn.__name__, key)
+    hidden, weight = torch.randn(2, 4, 8), torch.randn(10, 8)
+    labels, valid = torch.zeros(2, 4, dtype=torch.long), torch.ones(2, 4, dtype=torch.bool)
+    unset = {k: schema[k]["default"] for k in ("dpace_mix", "length_share", "kl_temperature")}
+    dflash_loss(hidden, weight, labels, valid, 4.0, **unset)  # the defaults pass the refusals
