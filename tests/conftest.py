@@ -353,8 +353,9 @@ def worker_cores() -> int:
 def pytest_xdist_auto_num_workers(config):
     """`-n auto`: one worker more than the cores. About a fifth of two workers' time on two
     cores was idle (Snakemake and SLURM polling, process start-up, kill tests' sleeps): a third
-    worker fills it, 14 min 19 s -> 12 min 40 s for the whole suite on the 2-core machine
-    (tests/README.md). Each worker's torch then runs one thread (worker_cores)."""
+    worker fills it, 14 min 19 s -> 12 min 25 s - 13 min 16 s (four runs) for the whole suite
+    on the 2-core machine (tests/README.md). Each worker's torch then runs one thread
+    (worker_cores)."""
     return (os.cpu_count() or 1) + 1
 
 
